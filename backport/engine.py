@@ -1,0 +1,399 @@
+"""The backport job: sources -> base tree -> carry -> recipe -> patch -> attribution -> verify.
+
+:func:`build` computes everything in memory and returns a :class:`Build`; :func:`write`
+puts it on disk atomically; :func:`check` compares it with what is on disk. Nothing is
+written when any step or check fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from unidiff import PatchSet
+
+from . import __version__
+from .errors import ApplyError, PinError, RecipeError, UsageError
+from .recipe import AddFile, Recipe, Transform, Transplant, UpstreamFile, UpstreamHunks, check_coverage, load_recipe
+from .sources import Source, default_cache_dir, open_source
+from .transforms import REGISTRY
+from .transforms.transplant import transplant
+from .tree import assemble_base_tree
+from .upstream import UpstreamHunk, load_hunks
+from .workspace import Workspace
+
+ADAPTATIONS = Path(__file__).resolve().parent / "adaptations"
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "gdn-backport", "GIT_AUTHOR_EMAIL": "gdn-backport@localhost",
+    "GIT_COMMITTER_NAME": "gdn-backport", "GIT_COMMITTER_EMAIL": "gdn-backport@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
+    "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent", "TZ": "UTC",
+}
+
+
+@dataclass
+class Options:
+    """Inputs of one run (flags of ``tools/backport``).
+
+    Attributes:
+        recipe: recipe YAML path.
+        upstream: upstream commit (full or unique short SHA); must be the recipe's.
+        megatron_lm, megatron_bridge: URL or path of each source (None: env var or GitHub).
+        cache_dir: bare-repo and tree cache.
+        carry: downstream patch applied first (zero fuzz), or None.
+        date: ``YYYYMMDD`` of the output names and manifest.
+        allow_pin_mismatch: accept an MCore base that differs from the Bridge ``.dev.commit``.
+        offline: use only the cache.
+        import_check: run the import check (needs torch, triton 3.6 and FLA 0.4.2).
+        python: interpreter for the import check.
+    """
+
+    recipe: Path
+    upstream: Optional[str] = None
+    megatron_lm: Optional[str] = None
+    megatron_bridge: Optional[str] = None
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    carry: Optional[Path] = None
+    date: str = "19700101"
+    allow_pin_mismatch: bool = False
+    offline: bool = False
+    import_check: bool = True
+    python: str = "python3"
+
+
+@dataclass
+class Build:
+    """Everything one run produced, in memory.
+
+    Attributes:
+        patch: bytes of ``megatron.patch``.
+        manifest: the manifest as a JSON-able dict.
+        base_tree: cached pristine assembled tree (contains ``megatron/``).
+        timings: seconds per phase.
+        cold: whether any source had to be cloned or fetched.
+    """
+
+    patch: bytes
+    manifest: dict
+    base_tree: Path
+    timings: dict
+    cold: bool
+    recipe: Recipe
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, **GIT_ENV}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout
+
+
+def make_patch(files: list, header: str) -> str:
+    """Unified git-style diff (``a/``/``b/`` prefixes, full index) of changed files.
+
+    Args:
+        files: :class:`~backport.workspace.FileState` objects that changed, sorted by path.
+        header: comment text put before the first ``diff --git`` line.
+    """
+    with tempfile.TemporaryDirectory(prefix="gdn-diff-") as tmp:
+        root = Path(tmp)
+        _git(root, "init", "-q")
+        for f in files:
+            if f.exists_in_base:
+                (root / f.path).parent.mkdir(parents=True, exist_ok=True)
+                (root / f.path).write_text("".join(f.base_lines))
+        _git(root, "add", "-A")
+        _git(root, "commit", "-q", "--allow-empty", "-m", "base")
+        for f in files:
+            (root / f.path).parent.mkdir(parents=True, exist_ok=True)
+            (root / f.path).write_text(f.text)
+        _git(root, "add", "-A")
+        diff = _git(root, "diff", "--cached", "--no-color", "--no-renames", "--no-ext-diff",
+                    "--full-index", "-U3", "--src-prefix=a/", "--dst-prefix=b/")
+    return header + diff
+
+
+class _Run:
+    """State of one in-memory application of carry + recipe to the base."""
+
+    def __init__(self, recipe: Recipe, mlm: Source, upstream_sha: str, hunks: dict[str, UpstreamHunk],
+                 base_tree: Path, carry: Optional[Path]):
+        self.recipe, self.mlm, self.upstream_sha, self.hunks = recipe, mlm, upstream_sha, hunks
+        self.base_tree, self.carry = base_tree, carry
+        self.ws = Workspace()
+        self.origins: dict[str, dict] = {}
+
+    def base_text(self, path: str) -> Optional[str]:
+        p = self.base_tree / path
+        return p.read_text() if p.is_file() else None
+
+    def file(self, path: str):
+        return self.ws.get(path, self.base_text)
+
+    def apply(self) -> None:
+        if self.carry is not None:
+            self._apply_carry()
+        for step in self.recipe.steps:
+            self._apply_step(step)
+
+    def _apply_carry(self) -> None:
+        try:
+            patch = PatchSet(self.carry.read_text())
+        except Exception as exc:  # unidiff raises its own parse errors
+            raise ApplyError(f"carried patch {self.carry} cannot be parsed: {exc}",
+                             hint="Pass a unified diff made with `git diff` against the pinned base.") from exc
+        for pfile in patch:
+            if pfile.is_removed_file:
+                raise ApplyError(f"carried patch deletes {pfile.source_file}; deletions are not supported.",
+                                 hint="Drop the deletion from the carried patch.")
+            path = pfile.path
+            state = self.file(path)
+            for n, hunk in enumerate(pfile, start=1):
+                oid = f"carry:{path}#{n}"
+                offset = state.apply_hunk(hunk, oid)
+                self.origins[oid] = {"kind": "carried", "header": str(hunk).splitlines()[0],
+                                     "offset": offset, "why": f"hunk {n} of {path} in the carried patch"}
+
+    def _apply_step(self, step) -> None:
+        if isinstance(step, UpstreamFile):
+            content = self.mlm.read(self.upstream_sha, step.path).decode()
+            state = self.file(step.path)
+            if state.exists_in_base and state.text == content:
+                raise ApplyError(f"step {step.id}: {step.path} is already identical to upstream at the base.")
+            state.replace_text(content, step.hunks[0])
+            for hid in step.hunks:
+                self.origins[hid] = self._upstream_origin(hid, "upstream-verbatim", step, offset=0)
+        elif isinstance(step, UpstreamHunks):
+            for hid in step.hunks:
+                uh = self.hunks[hid]
+                offset = self.file(uh.path).apply_hunk(uh.hunk, hid)
+                self.origins[hid] = self._upstream_origin(hid, "upstream-verbatim", step, offset=offset)
+        elif isinstance(step, Transplant):
+            state = self.file(step.path)
+            up_text = self.mlm.read(step.commit, step.path).decode()
+            new = transplant(state.text, up_text, step.symbols, step.path, step.commit[:12])
+            state.replace_text(new, step.id)
+            self.origins[step.id] = {"kind": "prerequisite", "commit": step.commit, "upstream_ref": step.upstream_ref,
+                                     "symbols": step.symbols, "why": step.why, "status": "applied"}
+        elif isinstance(step, AddFile):
+            state = self.file(step.path)
+            if state.exists_in_base:
+                raise ApplyError(f"step {step.id}: {step.path} already exists in the base tree.")
+            state.replace_text((ADAPTATIONS / step.template).read_text(), step.id)
+            self.origins[step.id] = {"kind": "adaptation", "template": step.template, "adapts": step.adapts,
+                                     "why": step.why, "status": "applied"}
+        elif isinstance(step, Transform):
+            fn = REGISTRY.get(step.transform)
+            if fn is None:
+                raise RecipeError(f"step {step.id}: unknown transform {step.transform!r}; known: {', '.join(sorted(REGISTRY))}.")
+            state = self.file(step.path)
+            result = fn(state.text, step.path)
+            changed = state.replace_text(result.text, step.id)
+            status = result.status if changed or result.status == "already-present" else "no-op"
+            if status == "no-op":
+                raise ApplyError(f"step {step.id}: transform {step.transform} changed nothing in {step.path}.")
+            kind = "preserved-fix" if step.kind == "fix" else "adaptation"
+            self.origins[step.id] = {"kind": kind, "transform": step.transform, "adapts": step.adapts,
+                                     "why": step.why, "status": status}
+
+    def _upstream_origin(self, hid: str, kind: str, step, offset: int) -> dict:
+        uh = self.hunks[hid]
+        return {"kind": kind, "commit": self.upstream_sha, "step": step.id, "header": uh.header,
+                "digest": uh.digest, "offset": offset, "why": step.why}
+
+
+def _attribute(patch_text: str, ws: Workspace, origins: dict) -> tuple[list, dict]:
+    """Attribute every +/- line of the patch to one origin.
+
+    Returns:
+        (files, stats): per-file hunk records, and counts of exact/neighbour attributions.
+
+    Lines that git's diff aligns differently from the step-wise tracking (a moved blank
+    line, say) take the origin of the nearest attributed line of the same hunk; they are
+    counted as ``by_neighbour``.
+    """
+    stats = Counter()
+    files = []
+    for pfile in PatchSet(patch_text):
+        state = ws.files[pfile.path]
+        hunks = []
+        for n, hunk in enumerate(pfile, start=1):
+            labels = []
+            for line in hunk:
+                if line.is_added:
+                    tag = state.tags[line.target_line_no - 1]
+                    labels.append(["+", tag[1] if tag[0] == "origin" else None])
+                elif line.is_removed:
+                    labels.append(["-", state.removed_by.get(line.source_line_no - 1)])
+            for i, label in enumerate(labels):
+                if label[1] is not None:
+                    stats["exact"] += 1
+                    continue
+                near = sorted((abs(j - i), j) for j, other in enumerate(labels) if other[1] is not None and j != i)
+                if not near:
+                    raise ApplyError(f"{pfile.path}: hunk {n} has a line with no origin; attribution failed.",
+                                     hint="Report this: a recipe step changed a line without being recorded.")
+                label[1] = labels[near[0][1]][1]
+                stats["by_neighbour"] += 1
+            per = {}
+            for sign, oid in labels:
+                rec = per.setdefault(oid, {"origin": oid, "kind": origins[oid]["kind"], "added": 0, "removed": 0})
+                rec["added" if sign == "+" else "removed"] += 1
+            hunks.append({
+                "id": f"{pfile.path}#{n}",
+                "header": str(hunk).splitlines()[0],
+                "added": hunk.added, "removed": hunk.removed,
+                "origins": sorted(per.values(), key=lambda r: r["origin"]),
+            })
+        files.append({
+            "path": pfile.path,
+            "status": "added" if pfile.is_added_file else "modified",
+            "added": pfile.added, "removed": pfile.removed,
+            "hunks": hunks,
+        })
+    return files, dict(stats)
+
+
+def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> Build:
+    """Run the whole job in memory and verify it; return the result.
+
+    Raises:
+        PipelineError subclasses: see :mod:`backport.errors`; nothing is written.
+    """
+    import time
+
+    from .verify import verify
+
+    t0 = time.perf_counter()
+    timings = {}
+    recipe, recipe_sha = load_recipe(opts.recipe)
+    pins = recipe.pins
+    upstream_rev = opts.upstream or pins.upstream
+    needed_mlm = (upstream_rev, pins.mcore_base) + tuple(
+        s.commit for s in recipe.steps if isinstance(s, Transplant))
+    progress("opening sources")
+    mlm = open_source("megatron-lm", opts.megatron_lm, opts.cache_dir, needed_mlm, progress, opts.offline)
+    bridge = open_source("megatron-bridge", opts.megatron_bridge, opts.cache_dir, (pins.megatron_bridge,),
+                         progress, opts.offline)
+    timings["sources_s"] = time.perf_counter() - t0
+
+    upstream_sha = mlm.resolve(upstream_rev)
+    if upstream_sha != pins.upstream:
+        raise RecipeError(
+            f"--upstream {upstream_rev} is {upstream_sha}, but recipe {opts.recipe} is written for {pins.upstream}.",
+            hint="Use the recipe's upstream commit, or write a recipe for the new commit.")
+    base_sha = mlm.resolve(pins.mcore_base)
+    bridge_sha = bridge.resolve(pins.megatron_bridge)
+    dev_commit = bridge.read(bridge_sha, ".dev.commit").decode().strip()
+    if dev_commit != base_sha and not opts.allow_pin_mismatch:
+        raise PinError(
+            f"MCore base pin {base_sha} differs from Megatron-Bridge {bridge_sha[:12]}'s .dev.commit ({dev_commit}).",
+            hint="Pin the base to the Bridge's .dev.commit, or pass --allow-pin-mismatch to override.")
+    between = mlm.count_between(base_sha, upstream_sha)
+    if between != pins.commits_between:
+        raise PinError(f"{between} commits lie between base and upstream; the recipe expects {pins.commits_between}.",
+                       hint="The mirror's history differs from the recipe's; check the pins.")
+
+    hunk_list = load_hunks(mlm, upstream_sha)
+    dispositions = check_coverage(recipe, [h.id for h in hunk_list])
+    hunks = {h.id: h for h in hunk_list}
+
+    t1 = time.perf_counter()
+    progress("assembling the base tree")
+    base_tree = assemble_base_tree(bridge, bridge_sha, mlm, base_sha, opts.cache_dir)
+    timings["base_tree_s"] = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    progress("applying carry and recipe")
+    carry_sha = hashlib.sha256(opts.carry.read_bytes()).hexdigest() if opts.carry else None
+    header = (
+        f"gdn-backport {__version__} megatron.patch, {opts.date[:4]}-{opts.date[4:6]}-{opts.date[6:]}\n"
+        f"base: Megatron-Bridge {bridge_sha} + Megatron-LM {base_sha}\n"
+        f"upstream: {upstream_sha} ({pins.upstream_ref})\n"
+        f"recipe: {recipe.name} sha256 {recipe_sha}\n"
+        + (f"carry: sha256 {carry_sha}\n" if carry_sha else "")
+        + "Apply with: patch -p1 --fuzz=0 < megatron.patch (from the tree root holding megatron/)\n\n"
+    )
+
+    def once():
+        run = _Run(recipe, mlm, upstream_sha, hunks, base_tree, opts.carry)
+        run.apply()
+        return run, make_patch(run.ws.changed(), header)
+
+    run, patch_text = once()
+    timings["recipe_s"] = time.perf_counter() - t2
+    files, attribution = _attribute(patch_text, run.ws, run.origins)
+
+    upstream_records = []
+    for h in hunk_list:
+        disp, by = dispositions[h.id]
+        rec = {"id": h.id, "header": h.header, "added": h.added, "removed": h.removed, "digest": h.digest,
+               "disposition": disp, "by": by}
+        if disp == "excluded":
+            rec["reason"] = next(e.why for e in recipe.excluded if e.id == by)
+        upstream_records.append(rec)
+
+    patch_bytes = patch_text.encode()
+    manifest = {
+        "schema": 1,
+        "tool": {"name": "gdn-backport", "version": __version__},
+        "date": f"{opts.date[:4]}-{opts.date[4:6]}-{opts.date[6:]}",
+        "recipe": {"name": recipe.name, "path": opts.recipe.name, "sha256": recipe_sha},
+        "pins": {
+            "megatron_bridge": bridge_sha, "mcore_base": base_sha, "bridge_dev_commit": dev_commit,
+            "upstream": upstream_sha, "upstream_ref": pins.upstream_ref, "commits_between": between,
+            "prerequisites": sorted({s.commit for s in recipe.steps if isinstance(s, Transplant)}),
+        },
+        "carry": None if opts.carry is None else {
+            "name": opts.carry.name, "sha256": carry_sha,
+            "hunks": sorted(k for k, v in run.origins.items() if v["kind"] == "carried")},
+        "patch": {
+            "name": f"{opts.date}-{base_sha[:9]}.patch", "sha256": hashlib.sha256(patch_bytes).hexdigest(),
+            "files": len(files), "hunks": sum(len(f["hunks"]) for f in files),
+            "added": sum(f["added"] for f in files), "removed": sum(f["removed"] for f in files),
+        },
+        "attribution": {"exact": attribution.get("exact", 0), "by_neighbour": attribution.get("by_neighbour", 0)},
+        "files": files,
+        "origins": {k: run.origins[k] for k in sorted(run.origins)},
+        "upstream_hunks": upstream_records,
+        "upstream_summary": dict(sorted(Counter(r["disposition"] for r in upstream_records).items())),
+        "forbidden_strings": recipe.forbidden_strings,
+    }
+
+    t3 = time.perf_counter()
+    progress("verifying")
+    _, patch_again = once()
+    checks = verify(patch_text, patch_again, run, recipe, opts, progress)
+    manifest["verification"] = checks
+    timings["verify_s"] = time.perf_counter() - t3
+    timings["total_s"] = time.perf_counter() - t0
+    return Build(patch=patch_bytes, manifest=manifest, base_tree=base_tree, timings=timings,
+                 cold=mlm.cold or bridge.cold, recipe=recipe)
+
+
+def parse_date(value: Optional[str]) -> str:
+    """``YYYYMMDD`` from ``--date`` (YYYY-MM-DD or YYYYMMDD), else ``SOURCE_DATE_EPOCH``, else today (UTC).
+
+    Raises:
+        UsageError: malformed date.
+    """
+    import datetime as dt
+
+    if value:
+        for fmt in ("%Y-%m-%d", "%Y%m%d"):
+            try:
+                return dt.datetime.strptime(value, fmt).strftime("%Y%m%d")
+            except ValueError:
+                pass
+        raise UsageError(f"--date {value!r} is not YYYY-MM-DD.", hint="For example --date 2026-11-29.")
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch:
+        try:
+            return dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc).strftime("%Y%m%d")
+        except ValueError as exc:
+            raise UsageError(f"SOURCE_DATE_EPOCH={epoch!r} is not an integer.") from exc
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")

@@ -1,0 +1,181 @@
+"""The declarative recipe (YAML in ``manifests/``), validated with pydantic.
+
+Unknown keys and missing fields are errors. :func:`check_coverage` proves that every hunk
+of the upstream commit is taken verbatim, adapted, or excluded with a reason, exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Annotated, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import RecipeError
+
+Sha = Annotated[str, Field(pattern=r"^[0-9a-f]{40}$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Pins(_Strict):
+    """Full SHAs of every input."""
+
+    megatron_bridge: Sha
+    mcore_base: Sha
+    upstream: Sha
+    upstream_ref: str = Field(description="human reference, e.g. NVIDIA/Megatron-LM#3282 (dev)")
+    commits_between: int = Field(ge=0, description="expected len(base..upstream)")
+
+
+class _Step(_Strict):
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    why: str = Field(min_length=10)
+
+
+class UpstreamFile(_Step):
+    """Take a whole file of the upstream commit, byte for byte."""
+
+    kind: Literal["upstream_file"]
+    path: str
+    hunks: list[str] = Field(min_length=1)
+
+
+class UpstreamHunks(_Step):
+    """Apply listed hunks of the upstream commit verbatim (zero fuzz; offsets recorded)."""
+
+    kind: Literal["upstream_hunks"]
+    hunks: list[str] = Field(min_length=1)
+
+
+class Transplant(_Step):
+    """Copy named top-level symbols from another upstream commit (a prerequisite)."""
+
+    kind: Literal["transplant"]
+    commit: Sha
+    path: str
+    symbols: list[str] = Field(min_length=1)
+    upstream_ref: str
+
+
+class AddFile(_Step):
+    """Add one of our own modules (``backport/adaptations/<template>``) to the tree."""
+
+    kind: Literal["add_file"]
+    path: str
+    template: str
+    adapts: list[str] = Field(default_factory=list)
+
+
+class Transform(_Step):
+    """Run a named transform of ours (``backport.transforms``) on one file."""
+
+    kind: Literal["adaptation", "fix"]
+    path: str
+    transform: str
+    adapts: list[str] = Field(default_factory=list)
+
+
+Step = Annotated[Union[UpstreamFile, UpstreamHunks, Transplant, AddFile, Transform], Field(discriminator="kind")]
+
+
+class Exclusion(_Step):
+    """Upstream hunks deliberately left out, with the reason."""
+
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    hunks: list[str] = Field(min_length=1)
+
+
+class Recipe(_Strict):
+    """A whole recipe file."""
+
+    schema_version: Literal[1]
+    name: str
+    pins: Pins
+    steps: list[Step] = Field(min_length=1)
+    excluded: list[Exclusion]
+    forbidden_strings: list[str]
+    import_check: list[str] = Field(description="modules the verify step imports")
+
+    @field_validator("steps")
+    @classmethod
+    def _unique_ids(cls, steps):
+        seen = set()
+        for step in steps:
+            if step.id in seen:
+                raise ValueError(f"duplicate step id {step.id!r}")
+            seen.add(step.id)
+        return steps
+
+
+def load_recipe(path: Path) -> tuple[Recipe, str]:
+    """Parse and validate ``path``; return the recipe and the sha256 of its bytes.
+
+    Raises:
+        RecipeError: unreadable YAML, unknown keys, missing or invalid fields.
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise RecipeError(f"cannot read recipe {path}: {exc.strerror}", hint="Pass --recipe with an existing file.") from exc
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe {path} is not valid YAML: {exc}") from exc
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise RecipeError(f"recipe {path} is invalid: {problems}") from exc
+    return recipe, hashlib.sha256(raw).hexdigest()
+
+
+def hunk_dispositions(recipe: Recipe) -> dict[str, list[tuple[str, str]]]:
+    """Map upstream hunk id -> [(disposition, step or exclusion id)] as the recipe declares."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for step in recipe.steps:
+        if isinstance(step, (UpstreamFile, UpstreamHunks)):
+            for hid in step.hunks:
+                out.setdefault(hid, []).append(("verbatim", step.id))
+        elif isinstance(step, (Transform, AddFile)):
+            for hid in step.adapts:
+                out.setdefault(hid, []).append(("adapted", step.id))
+    for excl in recipe.excluded:
+        for hid in excl.hunks:
+            out.setdefault(hid, []).append(("excluded", excl.id))
+    return out
+
+
+def check_coverage(recipe: Recipe, upstream_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """Every upstream hunk must have exactly one disposition; no unknown ids.
+
+    Returns:
+        upstream hunk id -> (disposition, step/exclusion id).
+
+    Raises:
+        RecipeError: listing missing, duplicated and unknown hunk ids.
+    """
+    declared = hunk_dispositions(recipe)
+    known = set(upstream_ids)
+    missing = [h for h in upstream_ids if h not in declared]
+    dup = sorted(h for h, d in declared.items() if len(d) > 1)
+    unknown = sorted(h for h in declared if h not in known)
+    if missing or dup or unknown:
+        parts = []
+        if missing:
+            parts.append(f"not accounted for: {', '.join(missing)}")
+        if dup:
+            parts.append(f"listed more than once: {', '.join(dup)}")
+        if unknown:
+            parts.append(f"not in the upstream commit: {', '.join(unknown)}")
+        raise RecipeError(
+            "recipe does not account for the upstream commit exactly once per hunk: " + "; ".join(parts),
+            hint="Run `tools/backport hunks` to list the upstream hunk ids, then take, adapt or exclude each.",
+        )
+    return {h: declared[h][0] for h in upstream_ids}

@@ -1,0 +1,198 @@
+"""Upstream sources: remote or local mirrors, kept in a local bare cache (gitpython).
+
+Later runs work offline from the cache. Every commit is recorded by its full SHA; a
+short SHA is accepted only when it resolves to exactly one commit.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import git
+
+from .errors import PinError, SourceError
+
+DEFAULT_URLS = {
+    "megatron-lm": "https://github.com/NVIDIA/Megatron-LM.git",
+    "megatron-bridge": "https://github.com/NVIDIA-NeMo/Megatron-Bridge.git",
+}
+ENV_VARS = {"megatron-lm": "MEGATRON_LM_REPO", "megatron-bridge": "MEGATRON_BRIDGE_REPO"}
+
+
+def default_cache_dir() -> Path:
+    """``$GDN_BACKPORT_CACHE`` or ``~/.cache/gdn-backport``."""
+    env = os.environ.get("GDN_BACKPORT_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "gdn-backport"
+
+
+@dataclass
+class Source:
+    """One upstream repository as the tool sees it.
+
+    Attributes:
+        name: ``megatron-lm`` or ``megatron-bridge``.
+        location: URL or local path it was cloned/fetched from.
+        repo: the bare cache repository.
+        cold: True when this run had to clone or fetch.
+    """
+
+    name: str
+    location: str
+    repo: git.Repo
+    cold: bool = False
+
+    def candidates(self, rev: str) -> list[str]:
+        """Full SHAs of the commits that ``rev`` (a hex prefix of 4-40 digits) names."""
+        if not re.fullmatch(r"[0-9a-fA-F]{4,40}", rev):
+            raise PinError(f"{self.name}: {rev!r} is not a commit SHA.", hint="Pins are hex SHAs (full 40 digits preferred).")
+        rev = rev.lower()
+        if len(rev) == 40:
+            return [rev] if self._is_commit(rev) else []
+        try:
+            out = self.repo.git.rev_parse("--disambiguate=" + rev)
+        except git.GitCommandError:
+            return []
+        return sorted(sha for sha in out.split() if self._is_commit(sha))
+
+    def resolve(self, rev: str) -> str:
+        """Full 40-hex SHA of commit ``rev`` (full or unique short SHA).
+
+        Raises:
+            PinError: unknown or ambiguous.
+        """
+        candidates = self.candidates(rev)
+        if len(candidates) != 1:
+            what = "no commit" if not candidates else f"{len(candidates)} commits ({', '.join(c[:12] for c in candidates)})"
+            raise PinError(
+                f"{self.name}: {rev!r} matches {what}.",
+                hint="Give more digits of the SHA (the full 40 is safest).",
+            )
+        return candidates[0]
+
+    def _is_commit(self, sha: str) -> bool:
+        try:
+            return self.repo.git.cat_file("-t", sha).strip() == "commit"
+        except git.GitCommandError:
+            return False
+
+    def has_commit(self, sha: str) -> bool:
+        """True when ``sha`` (full) is a commit in the cache."""
+        return self._is_commit(sha)
+
+    def read(self, sha: str, path: str) -> bytes:
+        """Bytes of ``path`` at commit ``sha``.
+
+        Raises:
+            SourceError: path absent or blob missing from the mirror.
+        """
+        try:
+            return self.repo.git.show(f"{sha}:{path}", stdout_as_string=False)
+        except git.GitCommandError as exc:
+            raise SourceError(f"{self.name}: cannot read {path} at {sha[:12]}: {exc.stderr.strip()}") from exc
+
+    def export(self, sha: str, path: str) -> tarfile.TarFile:
+        """A tar archive of ``path`` at ``sha`` (``git archive``), opened for reading.
+
+        Raises:
+            SourceError: the archive fails (for example a blob absent from a partial mirror).
+        """
+        try:
+            data = self.repo.git.archive("--format=tar", sha, path, stdout_as_string=False)
+        except git.GitCommandError as exc:
+            raise SourceError(
+                f"{self.name}: `git archive {sha[:12]} {path}` failed: {exc.stderr.strip()[:400]}",
+                hint="The mirror lacks objects; fetch a complete mirror and pass it with "
+                f"--{self.name} (or {ENV_VARS[self.name]}).",
+            ) from exc
+        return tarfile.open(fileobj=io.BytesIO(data), mode="r:")
+
+    def count_between(self, ancestor: str, descendant: str) -> int:
+        """Number of commits in ``ancestor..descendant``.
+
+        Raises:
+            PinError: ``ancestor`` is not an ancestor of ``descendant``.
+        """
+        try:
+            self.repo.git.merge_base("--is-ancestor", ancestor, descendant)
+        except git.GitCommandError as exc:
+            raise PinError(
+                f"{self.name}: {ancestor[:12]} is not an ancestor of {descendant[:12]}; "
+                "the upstream feature must descend from the base.",
+                hint="Check --upstream and the base pin in the recipe.",
+            ) from exc
+        return int(self.repo.git.rev_list("--count", f"{ancestor}..{descendant}"))
+
+
+def open_source(
+    name: str,
+    location: Optional[str],
+    cache_dir: Path,
+    needed: tuple[str, ...] = (),
+    progress: Optional[Callable[[str], None]] = None,
+    offline: bool = False,
+) -> Source:
+    """Open ``name`` through the bare cache, cloning or fetching only when needed.
+
+    Args:
+        name: ``megatron-lm`` or ``megatron-bridge``.
+        location: URL or path; None means ``$MEGATRON_LM_REPO``/``$MEGATRON_BRIDGE_REPO``
+            or the public GitHub URL.
+        cache_dir: holds ``<name>.git``.
+        needed: revisions (short or full) that must be present; missing ones trigger a fetch.
+        progress: called with one-line status messages (clone/fetch).
+        offline: never contact ``location``; fail if the cache lacks a needed commit.
+
+    Raises:
+        SourceError: clone/fetch failed or a needed commit is unavailable.
+    """
+    location = location or os.environ.get(ENV_VARS[name]) or DEFAULT_URLS[name]
+    if os.path.isdir(location):
+        location = str(Path(location).resolve())
+    cache = cache_dir / f"{name}.git"
+    say = progress or (lambda _msg: None)
+    cold = False
+    if not (cache / "HEAD").exists():
+        if offline:
+            raise SourceError(f"{name}: no cache at {cache} and --offline was given.",
+                              hint=f"Run once without --offline, with --{name} pointing at a mirror.")
+        say(f"cloning {name} from {location} into {cache} (bare)")
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(cache.name + ".partial")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        try:
+            git.Repo.clone_from(location, tmp, bare=True)
+        except git.GitCommandError as exc:
+            raise SourceError(f"{name}: clone of {location} failed: {exc.stderr.strip()[:400]}") from exc
+        tmp.rename(cache)
+        cold = True
+    repo = git.Repo(cache)
+    source = Source(name=name, location=location, repo=repo, cold=cold)
+    missing = [rev for rev in needed if not _present(source, rev)]
+    if missing:
+        if offline:
+            raise SourceError(f"{name}: cache lacks {', '.join(missing)} and --offline was given.",
+                              hint="Run without --offline so the cache can fetch.")
+        say(f"fetching {name} from {location} (missing {', '.join(m[:12] for m in missing)})")
+        try:
+            repo.git.fetch(location, "+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*", "--prune")
+        except git.GitCommandError as exc:
+            raise SourceError(f"{name}: fetch from {location} failed: {exc.stderr.strip()[:400]}") from exc
+        source.cold = True
+        still = [rev for rev in needed if not _present(source, rev)]
+        if still:
+            raise SourceError(f"{name}: {', '.join(still)} not found in {location}.",
+                              hint="Check the pin, or point at a mirror that has it.")
+    return source
+
+
+def _present(source: Source, rev: str) -> bool:
+    return bool(source.candidates(rev))

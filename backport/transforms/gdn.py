@@ -1,0 +1,279 @@
+"""Transforms of ours for GDN chunkwise CP (downstream adaptations and preserved fixes).
+
+Anchors are upstream symbol names at the base (85bced0a): ``TransformerConfig``
+(``cp_comm_type``, ``__post_init__``), ``GatedDeltaNet`` (``__init__``, ``forward``,
+``_prepare_qkv_for_gated_delta_rule``) and ``get_parameter_local_cp``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import libcst as cst
+import libcst.matchers as m
+
+from ..errors import ApplyError
+from . import Result, register
+from .cst import code_of, find_class, find_function, parse, replace_node, statements
+
+ADAPTATIONS = Path(__file__).resolve().parent.parent / "adaptations"
+
+
+def _is_ann_assign(stmt, name: str) -> bool:
+    return m.matches(stmt, m.SimpleStatementLine(body=[m.AnnAssign(target=m.Name(name))]))
+
+
+def _is_assign(stmt, name: str) -> bool:
+    return m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name(name))])]))
+
+
+def _is_self_assign(stmt, attr: str) -> bool:
+    return m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(
+        target=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))])]))
+
+
+def _is_docstring(stmt) -> bool:
+    return m.matches(stmt, m.SimpleStatementLine(body=[m.Expr(value=m.SimpleString() | m.ConcatenatedString())]))
+
+
+def _blank_line_before(stmt):
+    return stmt.with_changes(leading_lines=[cst.EmptyLine(indent=False)] + list(stmt.leading_lines))
+
+
+def _replace_method(module, cls, name, new_fn, path):
+    old = find_function(cls.body.body, name, f"{path}: {cls.name.value}")
+    return replace_node(module, old, new_fn.with_changes(leading_lines=old.leading_lines), path)
+
+
+LINEAR_CP_FIELD = '''
+linear_cp_mode: str = "headwise"
+"""Context-parallel mode of linear-attention (Gated DeltaNet) layers; `cp_comm_type` does
+    not apply to them. Fixed for the process (no per-call override, no "auto"):
+    "headwise" (default): all-to-all from sequence shards to head shards; heads must divide by
+    TP*CP.
+    "chunkwise": keep the sequence shards, reorder the zigzag shard to contiguous time chunks
+    and run FLA's CP-aware conv and scan (flash-linear-attention >= 0.4.2); heads divide by TP.
+    "all_gather": gather the projected sequence on every CP rank, run conv and scan on the
+    whole sequence and keep this rank's zigzag part; heads divide by TP. Simple, memory-heavy.
+    """
+'''
+
+LINEAR_CP_RULE = '''
+# GDN head rule per linear_cp_mode: headwise splits heads over TP*CP, chunkwise and
+# all_gather over TP only. Unknown modes (including "auto") are rejected here.
+from megatron.core.ssm.gdn_context_parallel import check_linear_cp_geometry
+
+check_linear_cp_geometry(
+    self.linear_cp_mode,
+    self.linear_num_key_heads,
+    self.linear_num_value_heads,
+    self.tensor_model_parallel_size,
+    self.context_parallel_size,
+)
+'''
+
+
+@register("gdn_config_linear_cp_mode")
+def gdn_config_linear_cp_mode(text: str, path: str = "transformer_config.py") -> Result:
+    """Add ``TransformerConfig.linear_cp_mode`` (default ``headwise``) after ``cp_comm_type``
+    and replace the TP*CP head assertion in ``__post_init__`` by the per-mode rule."""
+    module = parse(text, path)
+    cls = find_class(module, "TransformerConfig", path)
+    body = list(cls.body.body)
+    idx = next((i for i, s in enumerate(body) if _is_ann_assign(s, "cp_comm_type")), None)
+    if idx is None:
+        raise ApplyError(f"{path}: anchor TransformerConfig.cp_comm_type not found.")
+    if idx + 1 < len(body) and _is_docstring(body[idx + 1]):
+        idx += 1
+    field = statements(LINEAR_CP_FIELD)
+    field[0] = _blank_line_before(field[0])
+    body[idx + 1:idx + 1] = field
+    new_cls = cls.with_changes(body=cls.body.with_changes(body=body))
+
+    post_init = find_function(new_cls.body.body, "__post_init__", f"{path}: TransformerConfig")
+    rule = _RuleRewriter()
+    new_post_init = post_init.visit(rule)
+    if not rule.done:
+        raise ApplyError(f"{path}: anchor `tp_cp_size = ...` head check in TransformerConfig.__post_init__ not found.")
+    new_cls = replace_node(cst.Module(body=[new_cls]), post_init, new_post_init, path).body[0]
+    return Result(replace_node(module, cls, new_cls, path).code)
+
+
+class _RuleRewriter(cst.CSTTransformer):
+    """Replace ``tp_cp_size = ...`` and the asserts that use it with our rule."""
+
+    def __init__(self):
+        self.done = False
+
+    def leave_IndentedBlock(self, original, updated):
+        body = list(updated.body)
+        idx = next((i for i, s in enumerate(body) if _is_assign(s, "tp_cp_size")), None)
+        if idx is None:
+            return updated
+        end = idx + 1
+        while end < len(body) and m.matches(body[end], m.SimpleStatementLine(body=[m.Assert()])) and m.findall(body[end], m.Name("tp_cp_size")):
+            end += 1
+        new = statements(LINEAR_CP_RULE)
+        new[0] = _blank_line_before(new[0])
+        body[idx:end] = new
+        self.done = True
+        return updated.with_changes(body=body)
+
+
+GDN_IMPORTS = '''
+from megatron.core.context_parallel_layout import (
+    contiguous_to_zigzag_chunks,
+    zigzag_to_contiguous_chunks,
+)
+from megatron.core.ssm import gdn_context_parallel
+'''
+
+
+@register("gdn_imports")
+def gdn_imports(text: str, path: str = "gated_delta_net.py") -> Result:
+    """Import the CP layout helpers and our ``gdn_context_parallel`` module after the
+    ``megatron.core.process_groups_config`` import of ``gated_delta_net.py``."""
+    module = parse(text, path)
+    body = list(module.body)
+    anchor = m.SimpleStatementLine(body=[m.ImportFrom(module=m.Attribute(attr=m.Name("process_groups_config")))])
+    idx = next((i for i, s in enumerate(body) if m.matches(s, anchor)), None)
+    if idx is None:
+        raise ApplyError(f"{path}: anchor `from megatron.core.process_groups_config import ...` not found.")
+    body[idx + 1:idx + 1] = statements(GDN_IMPORTS)
+    return Result(module.with_changes(body=body).code)
+
+
+GDN_INIT_CHECK = '''
+# The GDN CP mode is static: checked here (mode and head rule), read again in forward.
+gdn_context_parallel.check_linear_cp_geometry(
+    self.config.linear_cp_mode, self.num_key_heads, self.num_value_heads, self.tp_size, self.cp_size
+)
+'''
+
+
+@register("gdn_init_check_linear_cp")
+def gdn_init_check_linear_cp(text: str, path: str = "gated_delta_net.py") -> Result:
+    """In ``GatedDeltaNet.__init__``, check mode and head rule right after
+    ``self.v_dim_local_tp`` is set (before any parameter is built)."""
+    module = parse(text, path)
+    cls = find_class(module, "GatedDeltaNet", path)
+    init = find_function(cls.body.body, "__init__", f"{path}: GatedDeltaNet")
+    body = list(init.body.body)
+    idx = next((i for i, s in enumerate(body) if _is_self_assign(s, "v_dim_local_tp")), None)
+    if idx is None:
+        raise ApplyError(f"{path}: anchor `self.v_dim_local_tp = ...` in GatedDeltaNet.__init__ not found.")
+    new = statements(GDN_INIT_CHECK)
+    new[0] = _blank_line_before(new[0])
+    body[idx + 1:idx + 1] = new
+    new_init = init.with_changes(body=init.body.with_changes(body=body))
+    return Result(replace_node(module, init, new_init, path).code)
+
+
+@register("gdn_linear_cp_forward")
+def gdn_linear_cp_forward(text: str, path: str = "gated_delta_net.py") -> Result:
+    """Replace ``GatedDeltaNet.forward`` by our three-mode forward
+    (``backport/adaptations/gated_delta_net_forward.py``)."""
+    module = parse(text, path)
+    cls = find_class(module, "GatedDeltaNet", path)
+    template = cst.parse_module((ADAPTATIONS / "gated_delta_net_forward.py").read_text())
+    new_fn = find_function(template.body, "forward", "gated_delta_net_forward.py")
+    # Re-indent to method level by parsing inside a class body.
+    wrapped = cst.parse_module("class _T:\n" + _indent(template.code_for_node(new_fn)))
+    method = wrapped.body[0].body.body[0]
+    return Result(_replace_method(module, cls, "forward", method, path).code)
+
+
+def _indent(code: str) -> str:
+    return "".join(("    " + line) if line.strip() else line for line in code.splitlines(keepends=True))
+
+
+@register("gdn_prepare_qkv_headwise_cp_size")
+def gdn_prepare_qkv_headwise_cp_size(text: str, path: str = "gated_delta_net.py") -> Result:
+    """Give ``_prepare_qkv_for_gated_delta_rule`` a ``cp_size_headwise`` argument and use it
+    where the base divides by ``self.cp_size`` (heads are CP-split on the headwise path only)."""
+    module = parse(text, path)
+    cls = find_class(module, "GatedDeltaNet", path)
+    fn = find_function(cls.body.body, "_prepare_qkv_for_gated_delta_rule", f"{path}: GatedDeltaNet")
+    params = list(fn.params.params)
+    if any(p.name.value == "cp_size_headwise" for p in params):
+        return Result(text, "already-present")
+    params.append(cst.Param(name=cst.Name("cp_size_headwise")))
+    new_fn = fn.with_changes(params=fn.params.with_changes(params=params))
+    new_fn = new_fn.visit(_SelfAttrToName("cp_size", "cp_size_headwise"))
+    return Result(replace_node(module, fn, new_fn, path).code)
+
+
+class _SelfAttrToName(cst.CSTTransformer):
+    def __init__(self, attr: str, name: str):
+        self.attr, self.name = attr, name
+
+    def leave_Attribute(self, original, updated):
+        if m.matches(updated, m.Attribute(value=m.Name("self"), attr=m.Name(self.attr))):
+            return cst.Name(self.name)
+        return updated
+
+
+@register("gdn_local_cp_none_group")
+def gdn_local_cp_none_group(text: str, path: str = "gated_delta_net.py") -> Result:
+    """``get_parameter_local_cp``: a ``None`` CP group means CP size 1 (no split), as upstream
+    5139086e does for its renamed ``get_parameter_local_cp_headwise``; the name is kept."""
+    module = parse(text, path)
+    fn = find_function(module.body, "get_parameter_local_cp", path)
+    src = code_of(fn, module)
+    if "cp_group is not None" in src:
+        return Result(text, "already-present")
+    new_fn = fn.visit(_NoneGroupSize())
+    if code_of(new_fn, module) == src:
+        raise ApplyError(f"{path}: anchor `cp_size = cp_group.size()` in get_parameter_local_cp not found.")
+    return Result(replace_node(module, fn, new_fn, path).code)
+
+
+class _NoneGroupSize(cst.CSTTransformer):
+    def leave_Assign(self, original, updated):
+        for attr, default in (("size", "1"), ("rank", "0")):
+            if m.matches(updated.value, m.Call(func=m.Attribute(value=m.Name("cp_group"), attr=m.Name(attr)))):
+                return updated.with_changes(value=cst.parse_expression(
+                    f"cp_group.{attr}() if cp_group is not None else {default}"))
+        return updated
+
+
+@register("fix_prepare_qkv_no_dynamo")
+def fix_prepare_qkv_no_dynamo(text: str, path: str = "gated_delta_net.py") -> Result:
+    """Preserved downstream fix: keep Dynamo/torch.compile away from
+    ``GatedDeltaNet._prepare_qkv_for_gated_delta_rule`` only (decorator
+    ``torch.compiler.disable`` instead of ``jit_fuser``)."""
+    module = parse(text, path)
+    cls = find_class(module, "GatedDeltaNet", path)
+    fn = find_function(cls.body.body, "_prepare_qkv_for_gated_delta_rule", f"{path}: GatedDeltaNet")
+    decos = [code_of(d.decorator, module) for d in fn.decorators]
+    if any("disable" in d for d in decos):
+        return Result(text, "already-present")
+    kept = [d for d in fn.decorators if code_of(d.decorator, module) != "jit_fuser"]
+    new_fn = fn.with_changes(decorators=[cst.Decorator(cst.parse_expression("torch.compiler.disable"))] + kept)
+    return Result(replace_node(module, fn, new_fn, path).code)
+
+
+@register("fix_local_cp_tuple_index")
+def fix_local_cp_tuple_index(text: str, path: str = "gated_delta_net.py") -> Result:
+    """Preserved downstream fix: ``get_parameter_local_cp`` indexes with
+    ``param[tuple(slices)]`` (a list of slices is not basic indexing)."""
+    module = parse(text, path)
+    fn = find_function(module.body, "get_parameter_local_cp", path)
+    if "tuple(slices)" in code_of(fn, module):
+        return Result(text, "already-present")
+    tr = _TupleIndex()
+    new_fn = fn.visit(tr)
+    if not tr.done:
+        raise ApplyError(f"{path}: anchor `param[slices]` in get_parameter_local_cp not found.")
+    return Result(replace_node(module, fn, new_fn, path).code)
+
+
+class _TupleIndex(cst.CSTTransformer):
+    def __init__(self):
+        self.done = False
+
+    def leave_Subscript(self, original, updated):
+        if m.matches(updated, m.Subscript(value=m.Name("param"), slice=[m.SubscriptElement(slice=m.Index(value=m.Name("slices")))])):
+            self.done = True
+            return updated.with_changes(slice=[cst.SubscriptElement(slice=cst.Index(value=cst.parse_expression("tuple(slices)")))])
+        return updated

@@ -1,0 +1,140 @@
+"""Verification of a generated patch. Every check must pass or nothing is written.
+
+Checks (each recorded in the manifest with a deterministic detail string):
+``deterministic`` (a second in-memory run gives the same bytes), ``applies`` (GNU patch,
+zero fuzz, no offsets, on the pristine assembled base), ``no_conflict_markers``,
+``byte_compiles`` (every ``.py`` under ``megatron/`` of the patched tree),
+``verbatim_files`` (files taken whole equal upstream bytes), ``forbidden_strings``,
+``imports`` (changed modules import with torch, triton 3.6 and FLA 0.4.2; capability probe).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from unidiff import PatchSet
+
+from .errors import VerificationError
+from .recipe import UpstreamFile
+
+CONFLICT = re.compile(r"^(<{7}|={7}|>{7})( |$)")
+
+PROBE = r'''
+import importlib, inspect, json, sys
+mods = sys.argv[1:]
+for name in mods:
+    importlib.import_module(name)
+from fla.ops.cp import build_cp_context
+from fla.modules.convolution import causal_conv1d
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+assert "cp_context" in inspect.signature(causal_conv1d).parameters, "causal_conv1d lacks cp_context"
+assert "cp_context" in inspect.signature(chunk_gated_delta_rule).parameters, "chunk_gated_delta_rule lacks cp_context"
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.ssm import gdn_context_parallel as g
+field = TransformerConfig.__dataclass_fields__["linear_cp_mode"]
+assert field.default == "headwise", f"linear_cp_mode default is {field.default!r}"
+assert g.LINEAR_CP_MODES == ("headwise", "chunkwise", "all_gather"), g.LINEAR_CP_MODES
+try:
+    g.check_linear_cp_mode("auto")
+except ValueError:
+    pass
+else:
+    raise AssertionError("linear_cp_mode='auto' was accepted")
+import fla, triton, torch
+print(json.dumps({"fla": fla.__version__, "triton": triton.__version__, "torch": torch.__version__.split("+")[0]}))
+'''
+
+
+def _fail(check: str, detail: str, hint: str | None = None) -> None:
+    raise VerificationError(f"verification check '{check}' failed: {detail}", hint=hint)
+
+
+def apply_patch(tree: Path, patch: bytes, dry_run: bool) -> str:
+    """Apply ``patch`` to ``tree`` with GNU patch, zero fuzz; return patch's output.
+
+    Raises:
+        VerificationError: a hunk is rejected, or applies only with fuzz or an offset.
+    """
+    args = ["patch", "-p1", "--fuzz=0", "--batch", "--forward", "--no-backup-if-mismatch", "-r", "-"]
+    if dry_run:
+        args.append("--dry-run")
+    proc = subprocess.run(args, cwd=tree, input=patch, capture_output=True)
+    out = (proc.stdout + proc.stderr).decode(errors="replace")
+    if proc.returncode != 0:
+        _fail("applies", f"GNU patch exited {proc.returncode}: {out.strip()[-600:]}")
+    if re.search(r"\b(offset|fuzz)\b", out, re.I):
+        _fail("applies", f"applies only with offsets or fuzz: {out.strip()[-600:]}")
+    return out
+
+
+def verify(patch_text: str, patch_again: str, run, recipe, opts, progress) -> list[dict]:
+    """Run every check; return their records or raise VerificationError on the first failure."""
+    checks = []
+    if patch_text != patch_again:
+        _fail("deterministic", "two runs on the same inputs produced different patches",
+              hint="A transform is not deterministic; report it.")
+    checks.append({"check": "deterministic", "ok": True, "detail": "two in-memory runs gave identical bytes"})
+
+    patch = patch_text.encode()
+    apply_patch(run.base_tree, patch, dry_run=True)
+    checks.append({"check": "applies", "ok": True, "detail": "GNU patch -p1 --fuzz=0: no fuzz, no offsets"})
+
+    added = [(pf.path, line.value) for pf in PatchSet(patch_text) for h in pf for line in h if line.is_added]
+    bad = [p for p, v in added if CONFLICT.match(v)]
+    if bad:
+        _fail("no_conflict_markers", f"conflict markers in added lines of {sorted(set(bad))}")
+    checks.append({"check": "no_conflict_markers", "ok": True, "detail": f"{len(added)} added lines scanned"})
+
+    with tempfile.TemporaryDirectory(prefix="gdn-verify-") as tmp:
+        tree = Path(tmp)
+        shutil.copytree(run.base_tree / "megatron", tree / "megatron", symlinks=True)
+        apply_patch(tree, patch, dry_run=False)
+
+        progress("byte-compiling megatron/")
+        count = 0
+        for path in sorted((tree / "megatron").rglob("*.py")):
+            try:
+                compile(path.read_bytes(), str(path.relative_to(tree)), "exec", dont_inherit=True)
+            except SyntaxError as exc:
+                _fail("byte_compiles", f"{path.relative_to(tree)}:{exc.lineno}: {exc.msg}")
+            count += 1
+        checks.append({"check": "byte_compiles", "ok": True, "detail": f"{count} files under megatron/"})
+
+        verbatim = [s.path for s in recipe.steps if isinstance(s, UpstreamFile)]
+        for path in verbatim:
+            if (tree / path).read_bytes() != run.mlm.read(run.upstream_sha, path):
+                _fail("verbatim_files", f"{path} differs from upstream {run.upstream_sha[:12]}")
+        checks.append({"check": "verbatim_files", "ok": True, "detail": f"{len(verbatim)} file(s) byte-identical to upstream"})
+
+        changed = sorted(f.path for f in run.ws.changed())
+        hits = [(p, s) for p in changed for s in recipe.forbidden_strings if s in (tree / p).read_text()]
+        hits += [(p, s) for p, v in added for s in recipe.forbidden_strings if s in v]
+        if hits:
+            _fail("forbidden_strings", "; ".join(f"{s!r} in {p}" for p, s in sorted(set(hits))),
+                  hint="Exclude the upstream hunk that brings it, or fix the transform.")
+        checks.append({"check": "forbidden_strings", "ok": True,
+                       "detail": f"{len(recipe.forbidden_strings)} strings absent from {len(changed)} changed files"})
+
+        if opts.import_check:
+            progress("import check")
+            proc = subprocess.run([opts.python, "-W", "ignore", "-c", PROBE, *recipe.import_check],
+                                  cwd=tree, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1",
+                                       "CUDA_VISIBLE_DEVICES": ""})
+            if proc.returncode != 0:
+                tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
+                _fail("imports", f"the patched modules do not import with {opts.python}:\n{tail}",
+                      hint="Install the verify requirements (`pip install -r requirements/verify.txt`) into the "
+                           "interpreter given by --python, or pass --no-import-check (recorded in the manifest).")
+            versions = proc.stdout.strip().splitlines()[-1]
+            checks.append({"check": "imports", "ok": True,
+                           "detail": f"{len(recipe.import_check)} modules imported; cp_context accepted; {versions}"})
+        else:
+            checks.append({"check": "imports", "ok": False, "detail": "skipped by --no-import-check"})
+    return checks
