@@ -1,0 +1,248 @@
+"""CP token layouts of the patched tree, over real gloo worlds (CP = 1, 2, 4, 8).
+
+Checks ``megatron.core.context_parallel_layout`` (zigzag <-> contiguous, THD and SBHD) and
+``megatron.core.ssm.gdn_context_parallel.gather_zigzag_sequence`` /
+``scatter_zigzag_sequence`` (incl. gradients) against the independent layout definitions in
+``cp_layout_ref``. Token payloads are float64 ``[T, 4]`` rows ``(t, 1000 + t, -t, valid)``
+so that any misplaced, duplicated or dropped token is visible.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _image_env import need_tree
+from cp_layout_ref import contiguous_rank_indices, seq_lens_from_cu, zigzag_rank_indices
+
+CP_SIZES = (1, 2, 4, 8)
+
+
+def thd_cases(P: int):
+    """name -> (cu_seqlens used for the layout, valid length of each sequence)."""
+    u = 2 * P
+    return {
+        "one_sample": ([0, 3 * u], [3 * u]),
+        "unequal_samples": ([0, u, 4 * u, 6 * u], [u, 3 * u, 2 * u]),
+        # per-sample padding: each sequence padded up to a multiple of 2*CP
+        "per_sample_padding": ([0, 2 * u, 5 * u, 6 * u], [2 * u - 1, 2 * u + 1, u]),
+        # padding tail: end padding carried as a dummy last sequence (no valid tokens)
+        "padding_tail": ([0, 2 * u, 3 * u, 5 * u], [2 * u, u, 0]),
+        # an empty sequence (duplicate boundary) in the middle of the pack
+        "empty_sequence": ([0, 2 * u, 2 * u, 3 * u], [2 * u, 0, u]),
+    }
+
+
+def payload(cu, valid):
+    """``[T, 4]`` float64 rows (t, 1000+t, -t, valid-mask)."""
+    import torch
+
+    T = cu[-1]
+    t = torch.arange(T, dtype=torch.float64)
+    mask = torch.zeros(T, dtype=torch.float64)
+    for (a, _b), n in zip(zip(cu[:-1], cu[1:]), valid):
+        mask[a : a + n] = 1.0
+    return torch.stack([t, 1000 + t, -t, mask], dim=1)
+
+
+def _layout_worker(rank, world, _):
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core.context_parallel_layout import (
+        contiguous_to_zigzag_chunks,
+        get_thd_context_parallel_rank_indices,
+        zigzag_to_contiguous_chunks,
+    )
+
+    group = dist.group.WORLD
+    out = {}
+    for name, (cu, valid) in thd_cases(world).items():
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        X = payload(cu, valid)
+        lens = seq_lens_from_cu(cu)
+        zz = zigzag_rank_indices(lens, world, rank)
+        local = X[zz].clone()
+        to_contig = zigzag_to_contiguous_chunks(local, group, seq_dim=0, cu_seqlens=cu_t)
+        back = contiguous_to_zigzag_chunks(to_contig, group, seq_dim=0, cu_seqlens=cu_t)
+        # THD with the sequence on dim 1 ([1, T, F]).
+        to_contig_d1 = zigzag_to_contiguous_chunks(
+            local.unsqueeze(0), group, seq_dim=1, cu_seqlens=cu_t
+        )
+        valid_local = torch.tensor([float(to_contig[:, 3].sum())])
+        dist.all_reduce(valid_local)
+        out[name] = {
+            "mcore_zigzag": get_thd_context_parallel_rank_indices(cu_t, world, rank, "zigzag").tolist(),
+            "mcore_contiguous": get_thd_context_parallel_rank_indices(
+                cu_t, world, rank, "contiguous"
+            ).tolist(),
+            "local": local,
+            "to_contig": to_contig,
+            "to_contig_dim1": to_contig_d1,
+            "back": back,
+            "valid_total_after": float(valid_local),
+        }
+    # SBHD: global sequence of 8*P tokens, batch 2, features; seq_dim 0 and 1.
+    S = 8 * world
+    X = payload([0, S], [S])  # [S, 4]
+    sbhd = torch.stack([X, X + 0.5], dim=1)  # [S, B=2, 4]
+    zz = zigzag_rank_indices([S], world, rank)
+    local = sbhd[zz].clone()
+    c0 = zigzag_to_contiguous_chunks(local, group, seq_dim=0)
+    b0 = contiguous_to_zigzag_chunks(c0, group, seq_dim=0)
+    local1 = local.transpose(0, 1).contiguous()  # [B, S_local, 4]
+    c1 = zigzag_to_contiguous_chunks(local1, group, seq_dim=1)
+    b1 = contiguous_to_zigzag_chunks(c1, group, seq_dim=1)
+    out["sbhd"] = {"global": sbhd, "local": local, "c0": c0, "b0": b0, "c1": c1, "b1": b1}
+    return out
+
+
+_cache = {}
+
+
+def layout_results(world, P):
+    if P not in _cache:
+        _cache[P] = world(_layout_worker, P, None)
+    return _cache[P]
+
+
+@pytest.mark.parametrize("P", CP_SIZES)
+@pytest.mark.parametrize("case", list(thd_cases(1)))
+def test_mcore_zigzag_indices_match_independent_definition(gloo_world, P, case):
+    need_tree()
+    cu, _ = thd_cases(P)[case]
+    for rank, res in enumerate(layout_results(gloo_world, P)):
+        r = res[case]
+        assert r["mcore_zigzag"] == zigzag_rank_indices(seq_lens_from_cu(cu), P, rank)
+        assert r["mcore_contiguous"] == contiguous_rank_indices(cu[-1], P, rank)
+
+
+@pytest.mark.parametrize("P", CP_SIZES)
+@pytest.mark.parametrize("case", list(thd_cases(1)))
+def test_thd_zigzag_contiguous_zigzag_round_trip(gloo_world, P, case):
+    need_tree()
+    cu, valid = thd_cases(P)[case]
+    X = payload(cu, valid)
+    import torch
+
+    for rank, res in enumerate(layout_results(gloo_world, P)):
+        r = res[case]
+        contig = contiguous_rank_indices(cu[-1], P, rank)
+        # zigzag -> contiguous puts exactly the rank's contiguous span there, token by token
+        assert torch.equal(r["to_contig"], X[contig])
+        assert torch.equal(r["to_contig_dim1"], X[contig].unsqueeze(0))
+        # ... and back is the identity per token (valid mask included)
+        assert torch.equal(r["back"], r["local"])
+        # valid-token count is preserved exactly
+        assert r["valid_total_after"] == float(sum(valid))
+
+
+@pytest.mark.parametrize("P", CP_SIZES)
+def test_sbhd_round_trip_seq_dim_0_and_1(gloo_world, P):
+    need_tree()
+    import torch
+
+    for rank, res in enumerate(layout_results(gloo_world, P)):
+        r = res["sbhd"]
+        contig = contiguous_rank_indices(r["global"].shape[0], P, rank)
+        assert torch.equal(r["c0"], r["global"][contig])
+        assert torch.equal(r["b0"], r["local"])
+        assert torch.equal(r["c1"], r["global"][contig].transpose(0, 1))
+        assert torch.equal(r["b1"], r["local"].transpose(0, 1))
+
+
+# --------------------------------------------------------------------------------------
+# gather_zigzag_sequence / scatter_zigzag_sequence (the all_gather mode's primitives)
+# --------------------------------------------------------------------------------------
+
+
+def _gather_scatter_worker(rank, world, _):
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core.ssm.gdn_context_parallel import (
+        gather_zigzag_sequence,
+        scatter_zigzag_sequence,
+    )
+
+    group = dist.group.WORLD
+    out = {}
+    cases = {k: v for k, v in thd_cases(world).items()}
+    cases["sbhd"] = ([0, 8 * world], [8 * world])
+    for name, (cu, valid) in cases.items():
+        X = payload(cu, valid)  # [T, 4]
+        zz = zigzag_rank_indices(seq_lens_from_cu(cu), world, rank)
+        cu_t = None if name == "sbhd" else torch.tensor(cu, dtype=torch.int32)
+        if name == "sbhd":
+            X = torch.stack([X, 2 * X], dim=1)  # [S, B=2, 4]
+        local = X[zz].clone().requires_grad_(True)
+        full = gather_zigzag_sequence(local, group, seq_dim=0, cu_seqlens=cu_t)
+        # rank-dependent upstream gradient: backward must sum over the group
+        gen = torch.Generator().manual_seed(100 + rank)
+        G = torch.randn(full.shape, generator=gen, dtype=full.dtype)
+        (full * G).sum().backward()
+        gather_grad = local.grad.clone()
+        all_G = [torch.empty_like(G) for _ in range(world)]
+        dist.all_gather(all_G, G)
+
+        # scatter of the full sequence -> the rank's zigzag shard
+        Xf = X.clone().requires_grad_(True)
+        shard = scatter_zigzag_sequence(Xf, group, seq_dim=0, cu_seqlens=cu_t)
+        # scatter(gather(x)) is the identity, gradient included
+        local2 = X[zz].clone().requires_grad_(True)
+        round_trip = scatter_zigzag_sequence(
+            gather_zigzag_sequence(local2, group, seq_dim=0, cu_seqlens=cu_t),
+            group,
+            seq_dim=0,
+            cu_seqlens=cu_t,
+        )
+        Gl = torch.randn(round_trip.shape, generator=gen, dtype=round_trip.dtype)
+        (round_trip * Gl).sum().backward()
+        out[name] = {
+            "X": X,
+            "zz": zz,
+            "full": full.detach(),
+            "gather_grad": gather_grad,
+            "all_G": all_G,
+            "shard": shard.detach(),
+            "round_trip": round_trip.detach(),
+            "round_trip_grad": local2.grad,
+            "Gl": Gl,
+        }
+    return out
+
+
+_gs_cache = {}
+
+
+def gather_scatter_results(world, P):
+    if P not in _gs_cache:
+        _gs_cache[P] = world(_gather_scatter_worker, P, None)
+    return _gs_cache[P]
+
+
+GS_CASES = list(thd_cases(1)) + ["sbhd"]
+
+
+@pytest.mark.parametrize("P", CP_SIZES)
+@pytest.mark.parametrize("case", GS_CASES)
+def test_gather_zigzag_sequence_forward_and_grad(gloo_world, P, case):
+    """Gather gives the natural-order sequence on every rank; its backward sums over ranks."""
+    need_tree()
+    for res in gather_scatter_results(gloo_world, P):
+        r = res[case]
+        assert r["full"].shape == r["X"].shape
+        assert (r["full"] == r["X"]).all()
+        expected = sum(G[r["zz"]] for G in r["all_G"])
+        assert (r["gather_grad"] - expected).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("P", CP_SIZES)
+@pytest.mark.parametrize("case", GS_CASES)
+def test_scatter_zigzag_sequence_and_round_trip_grad(gloo_world, P, case):
+    """Scatter keeps the rank's zigzag shard; scatter(gather(x)) == x and d/dx is identity."""
+    need_tree()
+    for res in gather_scatter_results(gloo_world, P):
+        r = res[case]
+        assert (r["shard"] == r["X"][r["zz"]]).all()
+        assert (r["round_trip"] == r["X"][r["zz"]]).all()
+        assert (r["round_trip_grad"] - r["Gl"]).abs().max() <= 1e-12
