@@ -397,3 +397,11 @@ def parse_date(value: Optional[str]) -> str:
         except ValueError as exc:
             raise UsageError(f"SOURCE_DATE_EPOCH={epoch!r} is not an integer.") from exc
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
+
+
+def list_hunks(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> list[str]:
+    """Lines ``<id>  +A -R  <header>`` for every hunk of the upstream commit."""
+    recipe, _ = load_recipe(opts.recipe)
+    rev = opts.upstream or recipe.pins.upstream
+    mlm = open_source("megatron-lm", opts.megatron_lm, opts.cache_dir, (rev,), progress, opts.offline)
+    return [f"{h.id}  +{h.added} -{h.removed}  {h.header}" for h in load_hunks(mlm, mlm.resolve(rev))]

@@ -41,6 +41,7 @@ class FileState:
     tags: list[Tag]
     removed_by: dict[int, str] = field(default_factory=dict)
     exists_in_base: bool = True
+    last_offset: int = 0
 
     @classmethod
     def from_base(cls, path: str, text: Optional[str]) -> "FileState":
@@ -88,12 +89,16 @@ class FileState:
     def apply_hunk(self, hunk: Hunk, origin: str) -> int:
         """Apply one unified-diff hunk with zero fuzz; return its line offset.
 
+        Like GNU patch, the search starts where the previous hunk of this file landed
+        (its offset carried forward), and the exact match nearest to that guess wins.
+
         Raises:
             ApplyError: the hunk's context/removed lines are not found exactly.
         """
         source = [_line_text(line) for line in hunk if line.is_context or line.is_removed]
         target = [_line_text(line) for line in hunk if line.is_context or line.is_added]
-        expected = max(hunk.source_start - 1, 0) if hunk.source_length else hunk.source_start
+        header_pos = max(hunk.source_start - 1, 0) if hunk.source_length else hunk.source_start
+        expected = header_pos + self.last_offset
         if not source:
             if self.lines:
                 raise ApplyError(f"{self.path}: hunk for origin {origin} creates a file that already exists.")
@@ -108,7 +113,8 @@ class FileState:
             )
         start = min(matches, key=lambda i: (abs(i - expected), i))
         self._apply_at(start, hunk, origin)
-        return start - expected
+        self.last_offset = start - header_pos + len(target) - len(source)
+        return start - header_pos
 
     def _apply_at(self, start: int, hunk: Hunk, origin: str) -> None:
         pos = start

@@ -1,0 +1,118 @@
+"""Write a :class:`~backport.engine.Build` to disk atomically, or compare it (``--check``).
+
+Layout (relative to the output root, normally the repository root):
+``patches/megatron/<date>-<base9>.patch`` (+ ``.manifest.json``/``.manifest.md``),
+``patches/latest/megatron.patch`` (same bytes) + ``manifest.json``/``manifest.md``,
+``manifests/lock.json`` (committed digests), and the trees ``build/tree/base`` and
+``build/tree/patched``. Every file is staged then moved into place with ``os.replace``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import CheckMismatch
+from .manifest_md import render_markdown
+from .tree import copy_tree
+from .verify import apply_patch
+
+
+def canonical_json(data) -> bytes:
+    """The one JSON writer: sorted keys, indent 2, trailing newline, UTF-8."""
+    return (json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+
+
+def lock_data(build) -> dict:
+    """The committed lock: pins, recipe digest, patch and manifest sha256."""
+    m = build.manifest
+    return {
+        "schema": 1,
+        "pins": m["pins"],
+        "recipe": m["recipe"],
+        "patch": {"name": m["patch"]["name"], "sha256": m["patch"]["sha256"]},
+        "manifest_sha256": hashlib.sha256(canonical_json(m)).hexdigest(),
+        "date": m["date"],
+    }
+
+
+def rendered(build) -> dict[str, bytes]:
+    """Every output file (path relative to the output root -> bytes), sorted."""
+    name = build.manifest["patch"]["name"]
+    stem = name[: -len(".patch")]
+    manifest_json = canonical_json(build.manifest)
+    manifest_md = render_markdown(build.manifest).encode()
+    files = {
+        f"patches/megatron/{name}": build.patch,
+        f"patches/megatron/{stem}.manifest.json": manifest_json,
+        f"patches/megatron/{stem}.manifest.md": manifest_md,
+        "patches/latest/megatron.patch": build.patch,
+        "patches/latest/manifest.json": manifest_json,
+        "patches/latest/manifest.md": manifest_md,
+        "manifests/lock.json": canonical_json(lock_data(build)),
+    }
+    return dict(sorted(files.items()))
+
+
+def write(build, root: Path, trees: bool = True) -> list[Path]:
+    """Write all outputs under ``root`` atomically; return the written paths.
+
+    Files are staged in a temp dir on the same filesystem and moved with ``os.replace``;
+    the trees are built beside their targets and swapped in with a rename.
+    """
+    files = rendered(build)
+    staging = Path(tempfile.mkdtemp(prefix=".gdn-stage-", dir=root))
+    try:
+        for rel, data in files.items():
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            (staging / rel).write_bytes(data)
+        if trees:
+            base = staging / "build/tree/base"
+            patched = staging / "build/tree/patched"
+            copy_tree(build.base_tree, base)
+            copy_tree(build.base_tree, patched)
+            apply_patch(patched, build.patch, dry_run=False)
+        written = []
+        for rel in files:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / rel, root / rel)
+            written.append(root / rel)
+        if trees:
+            for name in ("base", "patched"):
+                dest = root / "build/tree" / name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                old = dest.with_name(name + ".old")
+                if dest.exists():
+                    dest.rename(old)
+                (staging / "build/tree" / name).rename(dest)
+                if old.exists():
+                    shutil.rmtree(old)
+                written.append(dest)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def check(build, root: Path) -> list[str]:
+    """Compare fresh outputs with the files on disk.
+
+    Returns:
+        the relative paths that match (for the report).
+
+    Raises:
+        CheckMismatch: listing every path that is missing or differs.
+    """
+    diffs = []
+    for rel, data in rendered(build).items():
+        path = root / rel
+        if not path.exists():
+            diffs.append(f"{rel} (missing)")
+        elif path.read_bytes() != data:
+            diffs.append(f"{rel} (differs)")
+    if diffs:
+        raise CheckMismatch("outputs on disk differ from a fresh run: " + ", ".join(diffs))
+    return list(rendered(build))
