@@ -1,0 +1,92 @@
+# Training image: the pinned Megatron tree + the verified GDN chunkwise-CP patch,
+# with the pinned FLA stack. Build it with `make image` (or `tools/image build`),
+# which stages the build context; a plain `docker build .` of the repo root does
+# not work, because the tree, the patch and the wheels are generated files.
+#
+# Build context (staged by backport/image.py into build/image/context/):
+#   Dockerfile
+#   deps/requirements.lock   hash-pinned Python packages (docker/requirements.lock)
+#   deps/torch-cpu.lock      hash-pinned cpu torch wheel (cpu flavour only)
+#   deps/wheels/             the cpu torch wheel (cpu flavour), else empty
+#   deps/install-deps.sh     makes /opt/gdn/venv
+#   tree/megatron/           pristine assembled tree (build/tree/base/megatron)
+#   tests/image/             the image regression suite
+#   patch/megatron.patch     patches/latest/megatron.patch
+#   patch/manifest.json      patches/latest/manifest.json
+#   bin/                     apply-patch.sh, capability_check.py, run-suite.sh
+#
+# Layer order: dependencies, then the pristine tree and the suite, then the patch,
+# so a changed patch rebuilds only the patch step, the final copy and the
+# capability check. Nothing is cloned from git during the build.
+
+# cuda flavour (users): an NGC PyTorch image (torch 2.10, CPython 3.12; triton
+# 3.6.0 pairs with torch 2.10). cpu flavour (gating): a local Debian bookworm
+# base with python3.11, python3-venv and patch; `make image` makes it.
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3
+
+# ---------------------------------------------------------------------------
+# deps: /opt/gdn/venv with every Python package hash-checked. The wheels stay
+# in this stage; the image copies only the venv.
+FROM ${BASE_IMAGE} AS deps
+# base: torch comes with BASE_IMAGE. wheel: install deps/torch-cpu.lock.
+ARG TORCH_FROM=base
+COPY deps/ /opt/gdn/deps/
+RUN sh /opt/gdn/deps/install-deps.sh "${TORCH_FROM}"
+
+# ---------------------------------------------------------------------------
+# src: the pristine tree, the suite, then the patch applied with zero fuzz,
+# a conflict-marker scan and a byte-compile. Uses the base image's python3.
+FROM ${BASE_IMAGE} AS src
+COPY tree/ /opt/gdn/base/
+COPY tests/ /opt/gdn/tests/
+COPY patch/ bin/ /opt/gdn/stage/
+ARG PATCH_SHA256=""
+RUN sh /opt/gdn/stage/apply-patch.sh "${PATCH_SHA256}"
+
+# ---------------------------------------------------------------------------
+# image: base + venv + patched tree; the capability check fails the build unless
+# the FLA CP API and the patched Megatron modules are usable.
+FROM ${BASE_IMAGE} AS image
+ENV VIRTUAL_ENV=/opt/gdn/venv \
+    PATH=/opt/gdn/venv/bin:${PATH} \
+    PYTHONPATH=/opt/gdn/tree${PYTHONPATH:+:${PYTHONPATH}} \
+    GDN_TREE=/opt/gdn/tree \
+    GDN_BASE_TREE=/opt/gdn/base \
+    PYTHONDONTWRITEBYTECODE=1
+COPY --from=deps /opt/gdn/venv /opt/gdn/venv
+COPY --from=src /opt/gdn/ /opt/gdn/
+ARG FLA_VERSION=0.4.2
+ARG TRITON_VERSION=3.6.0
+RUN python /opt/gdn/bin/capability_check.py \
+      --fla-version "${FLA_VERSION}" --triton-version "${TRITON_VERSION}" \
+      --patch /opt/gdn/patch/megatron.patch --out /opt/gdn/capability.json
+
+# Labels last: they change with every patch and cost no layer.
+ARG GDN_FLAVOUR=cuda
+ARG PATCH_NAME=""
+ARG PATCH_SHA256=""
+ARG MANIFEST_SHA256=""
+ARG LOCK_SHA256=""
+ARG TREE_SHA256=""
+ARG PIN_MEGATRON_BRIDGE=""
+ARG PIN_MCORE_BASE=""
+ARG PIN_UPSTREAM=""
+ARG BASE_IMAGE
+LABEL org.opencontainers.image.title="gdn-megatron" \
+      org.opencontainers.image.description="Pinned Megatron tree with the GDN chunkwise context-parallel backport" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      org.opencontainers.image.version="${PATCH_NAME}" \
+      io.gdn.flavour="${GDN_FLAVOUR}" \
+      io.gdn.pin.megatron-bridge="${PIN_MEGATRON_BRIDGE}" \
+      io.gdn.pin.mcore-base="${PIN_MCORE_BASE}" \
+      io.gdn.pin.upstream="${PIN_UPSTREAM}" \
+      io.gdn.pin.flash-linear-attention="${FLA_VERSION}" \
+      io.gdn.pin.fla-core="${FLA_VERSION}" \
+      io.gdn.pin.triton="${TRITON_VERSION}" \
+      io.gdn.fla.version="${FLA_VERSION}" \
+      io.gdn.patch.sha256="${PATCH_SHA256}" \
+      io.gdn.manifest.sha256="${MANIFEST_SHA256}" \
+      io.gdn.requirements-lock.sha256="${LOCK_SHA256}" \
+      io.gdn.tree.sha256="${TREE_SHA256}"
+WORKDIR /opt/gdn
+CMD ["sh", "/opt/gdn/bin/run-suite.sh"]

@@ -1,0 +1,804 @@
+"""Build and gate the training image through docker-py (no docker CLI).
+
+Functions here return data and report progress through an ``on_line`` callback;
+``backport.image_cli`` (``tools/image``) prints. Errors are :class:`ImageError`
+subclasses, each with an exit code and a hint that says what to do next.
+
+Flow of ``make image`` / ``make gate``::
+
+    preflight()          inputs present, manifest agrees with the patch, disk space
+    docker_client()      the engine answers (else: run tools/dockerd-up)
+    ensure_base_image()  cpu flavour: debootstrap bookworm + import (once)
+    stage_context()      build/image/context-<flavour>/ (tree, patch, suite, locks, wheel)
+    build_image()        streamed classic build; a failing step -> BuildStepFailed
+    run_gate()           the suite inside the image -> JUnit XML -> report
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import io
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from .errors import ImageError
+from .image_lock import parse_lock
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+FLA_PIN = "0.4.2"
+TRITON_PIN = "3.6.0"
+CUDA_BASE_IMAGE = "nvcr.io/nvidia/pytorch:25.12-py3"
+CPU_BASE_IMAGE = "gdn-base:bookworm"
+CPU_TORCH_WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
+DEBIAN_SUITE = "bookworm"
+DEBIAN_MIRROR = os.environ.get("GDN_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+# What the Dockerfile needs from a base: python3 (>= 3.10) with venv, and patch.
+DEBOOTSTRAP_INCLUDE = ("python3", "python3-venv", "patch", "ca-certificates")
+IMAGE_REPO = "gdn-megatron"
+LOG_TAIL = 30
+
+Line = Callable[[str], None]
+
+
+def _quiet(_line: str) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------- errors
+
+class DockerUnavailable(ImageError):
+    """No Docker Engine answers (not installed, not started, no permission)."""
+
+    exit_code = 10
+    default_hint = "Start one with `sudo tools/dockerd-up`, then run the same make target again."
+
+
+class DiskSpaceError(ImageError):
+    """Too little free disk for the build (vfs copies every layer in full)."""
+
+    exit_code = 11
+    default_hint = ("Free space (e.g. remove old images: `tools/image prune`), or lower the "
+                    "floor with --min-free-gb, then run the same make target again.")
+
+
+class GateFailed(ImageError):
+    """The image's regression suite failed, errored, or ran no test."""
+
+    exit_code = 12
+    default_hint = "Fix the failing tests named above, rebuild with `make image`, then `make gate`."
+
+
+class InputError(ImageError):
+    """A build input is missing or disagrees with another (tree, patch, manifest, lock, wheel)."""
+
+    exit_code = 13
+    default_hint = "Run `tools/backport --upstream 5139086e` to write the tree and patch, then `make image`."
+
+
+class BaseImageMissing(ImageError):
+    """The base image is not local and cannot be pulled (no registry reachable)."""
+
+    exit_code = 14
+    default_hint = ("Load the base image first (docker-py `images.load`, or `docker load`), "
+                    "or build the cpu flavour: `make image FLAVOUR=cpu`.")
+
+
+class BuildStepFailed(ImageError):
+    """A Dockerfile step failed; carries the step and the tail of its log."""
+
+    exit_code = 9
+
+    def __init__(self, step: str, detail: str, tail: list[str], hint: Optional[str] = None):
+        self.step = step
+        self.detail = detail
+        self.tail = list(tail)
+        text = f"image build failed at step {step}: {detail}\n--- last {len(self.tail)} log lines:\n"
+        text += "\n".join(f"  | {t}" for t in self.tail)
+        super().__init__(text, hint or hint_for_step(step))
+
+
+def hint_for_step(step: str) -> str:
+    """What to do when ``step`` (a script marker such as ``patch-apply``) fails."""
+    hints = {
+        "deps": "The locked Python packages did not install. If a hash or pin changed, "
+                "regenerate the lock with `tools/image lock`, then `make image`.",
+        "patch-digest": "The patch in the context is not the one the manifest describes; "
+                        "regenerate with `tools/backport --upstream 5139086e`, then `make image`.",
+        "patch-apply": "The patch does not apply to the pinned tree with zero fuzz. Regenerate it "
+                       "against build/tree/base with `tools/backport --upstream 5139086e`, then `make image`.",
+        "leftovers": "The patch left .rej/.orig files; regenerate it with `tools/backport`, then `make image`.",
+        "conflict-markers": "Remove the conflict markers from the recipe's output "
+                            "(`tools/backport`), then `make image`.",
+        "byte-compile": "A patched file has a syntax error; fix the recipe step that writes it, "
+                        "re-run `tools/backport`, then `make image`.",
+        "capability": "The image cannot run GDN chunkwise CP. Check the pins in "
+                      "docker/requirements.in (flash-linear-attention==0.4.2, fla-core==0.4.2, "
+                      "triton==3.6.0), run `tools/image lock`, then `make image`.",
+    }
+    for key, hint in hints.items():
+        if step.startswith(key):
+            return hint
+    return "Read the log tail above, fix its cause, then run `make image` again."
+
+
+# --------------------------------------------------------------------------- inputs
+
+@dataclass(frozen=True)
+class Flavour:
+    """A build flavour: which base image and where torch comes from."""
+
+    name: str
+    base_image: str
+    torch_from: str  # "base" (the base image has torch) or "wheel" (deps/torch-cpu.lock)
+
+
+FLAVOURS = {
+    "cuda": Flavour("cuda", CUDA_BASE_IMAGE, "base"),
+    "cpu": Flavour("cpu", CPU_BASE_IMAGE, "wheel"),
+}
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Paths the build reads; defaults are the repo's (see docs/contract.md)."""
+
+    tree: Path = REPO_ROOT / "build" / "tree" / "base"
+    patch: Path = REPO_ROOT / "patches" / "latest" / "megatron.patch"
+    manifest: Path = REPO_ROOT / "patches" / "latest" / "manifest.json"
+    tests: Path = REPO_ROOT / "tests" / "image"
+    dockerfile: Path = REPO_ROOT / "Dockerfile"
+    docker_dir: Path = REPO_ROOT / "docker"
+    lock: Path = REPO_ROOT / "docker" / "requirements.lock"
+    torch_lock: Path = REPO_ROOT / "docker" / "torch-cpu.lock"
+    torch_wheel: Path = CPU_TORCH_WHEEL
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _ignored(name: str) -> bool:
+    return name in ("__pycache__", ".pytest_cache") or name.endswith((".pyc", ".pyo"))
+
+
+def tree_digest(root: Path) -> str:
+    """sha256 over the sorted (path, file sha256, mode) of ``root``; caches ignored."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not _ignored(d))
+        for name in sorted(filenames):
+            if _ignored(name):
+                continue
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if p.is_symlink():
+                h.update(f"L {rel} {os.readlink(p)}\n".encode())
+            else:
+                h.update(f"F {rel} {sha256_file(p)} {p.stat().st_mode & 0o111 and 'x' or '-'}\n".encode())
+    return h.hexdigest()
+
+
+def torch_lock_hashes(text: str) -> dict[str, set[str]]:
+    """``{wheel file name: {sha256}}`` from ``docker/torch-cpu.lock``."""
+    out: dict[str, set[str]] = {}
+    current = None
+    for raw in text.splitlines():
+        line = raw.strip().rstrip("\\").strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.search(r"file://\S*/([^/\s]+\.whl)", line)
+        if m:
+            current = m.group(1).replace("%2B", "+")
+            out.setdefault(current, set())
+        for token in line.split():
+            if token.startswith("--hash=sha256:") and current:
+                out[current].add(token.split(":", 1)[1])
+    return out
+
+
+@dataclass
+class Preflight:
+    """What preflight read: digests and pins that become labels and build args."""
+
+    patch_sha256: str
+    manifest_sha256: str
+    lock_sha256: str
+    tree_sha256: str
+    patch_name: str
+    pins: dict
+    lock_pins: dict
+    hunks: int
+
+
+def preflight(inputs: Inputs, flavour: Flavour) -> Preflight:
+    """Check the inputs before touching Docker. Raises :class:`InputError`."""
+    missing = [str(p) for p in (inputs.tree / "megatron", inputs.patch, inputs.manifest)
+               if not p.exists()]
+    if missing:
+        raise InputError("build inputs missing: " + ", ".join(missing))
+    for p in (inputs.dockerfile, inputs.lock, inputs.tests, inputs.docker_dir):
+        if not p.exists():
+            raise InputError(f"{p} is missing from the checkout",
+                             "Restore it with `git checkout -- <path>`, then `make image`.")
+    patch_sha = sha256_file(inputs.patch)
+    try:
+        manifest = json.loads(inputs.manifest.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{inputs.manifest} is not JSON: {exc}") from exc
+    want = manifest.get("patch", {}).get("sha256")
+    if want and want != patch_sha:
+        raise InputError(
+            f"{inputs.patch} (sha256 {patch_sha[:12]}) is not the patch {inputs.manifest} "
+            f"describes (sha256 {want[:12]})",
+            "Regenerate both with `tools/backport --upstream 5139086e`, then `make image`.")
+    lock_pins = {n: e.version for n, e in parse_lock(inputs.lock.read_text()).items()}
+    if flavour.torch_from == "wheel":
+        wheel = inputs.torch_wheel
+        if not wheel.is_file():
+            raise InputError(f"cpu torch wheel not found at {wheel}",
+                             "Pass --torch-wheel PATH (the file named in docker/torch-cpu.lock).")
+        hashes = torch_lock_hashes(inputs.torch_lock.read_text())
+        if wheel.name not in hashes:
+            raise InputError(f"{inputs.torch_lock} does not name {wheel.name}",
+                             "Use the wheel the lock names, or update docker/torch-cpu.lock.")
+        actual = sha256_file(wheel)
+        if actual not in hashes[wheel.name]:
+            raise InputError(f"{wheel} has sha256 {actual[:12]}, not the one in {inputs.torch_lock}",
+                             "Use the exact wheel the lock names (a different build is refused).")
+    text = inputs.patch.read_text(errors="replace")
+    return Preflight(
+        patch_sha256=patch_sha,
+        manifest_sha256=sha256_file(inputs.manifest),
+        lock_sha256=sha256_file(inputs.lock),
+        tree_sha256=tree_digest(inputs.tree / "megatron"),
+        patch_name=manifest.get("patch", {}).get("name", inputs.patch.name),
+        pins=dict(manifest.get("pins", {})),
+        lock_pins=lock_pins,
+        hunks=sum(1 for line in text.splitlines() if line.startswith("@@ ")),
+    )
+
+
+def check_disk(path: Path, min_free_gb: float) -> float:
+    """Free GiB under ``path``; raises :class:`DiskSpaceError` below ``min_free_gb``."""
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free / 2**30
+    if free < min_free_gb:
+        raise DiskSpaceError(f"only {free:.1f} GiB free under {path}; the build needs about "
+                             f"{min_free_gb:.0f} GiB (vfs stores every layer in full)")
+    return free
+
+
+def build_args(flavour: Flavour, pre: Preflight, base_image: Optional[str] = None) -> dict[str, str]:
+    """Build args of the Dockerfile (they also fill the OCI labels)."""
+    return {
+        "BASE_IMAGE": base_image or flavour.base_image,
+        "TORCH_FROM": flavour.torch_from,
+        "GDN_FLAVOUR": flavour.name,
+        "FLA_VERSION": FLA_PIN,
+        "TRITON_VERSION": TRITON_PIN,
+        "PATCH_SHA256": pre.patch_sha256,
+        "PATCH_NAME": pre.patch_name,
+        "MANIFEST_SHA256": pre.manifest_sha256,
+        "LOCK_SHA256": pre.lock_sha256,
+        "TREE_SHA256": pre.tree_sha256,
+        "PIN_MEGATRON_BRIDGE": str(pre.pins.get("megatron_bridge", "")),
+        "PIN_MCORE_BASE": str(pre.pins.get("mcore_base", "")),
+        "PIN_UPSTREAM": str(pre.pins.get("upstream", "")),
+    }
+
+
+def expected_labels(args: dict[str, str]) -> dict[str, str]:
+    """The OCI labels the Dockerfile writes from ``args`` (checked after a build)."""
+    return {
+        "org.opencontainers.image.title": "gdn-megatron",
+        "org.opencontainers.image.base.name": args["BASE_IMAGE"],
+        "org.opencontainers.image.version": args["PATCH_NAME"],
+        "io.gdn.flavour": args["GDN_FLAVOUR"],
+        "io.gdn.pin.megatron-bridge": args["PIN_MEGATRON_BRIDGE"],
+        "io.gdn.pin.mcore-base": args["PIN_MCORE_BASE"],
+        "io.gdn.pin.upstream": args["PIN_UPSTREAM"],
+        "io.gdn.pin.flash-linear-attention": args["FLA_VERSION"],
+        "io.gdn.pin.fla-core": args["FLA_VERSION"],
+        "io.gdn.pin.triton": args["TRITON_VERSION"],
+        "io.gdn.fla.version": args["FLA_VERSION"],
+        "io.gdn.patch.sha256": args["PATCH_SHA256"],
+        "io.gdn.manifest.sha256": args["MANIFEST_SHA256"],
+        "io.gdn.requirements-lock.sha256": args["LOCK_SHA256"],
+        "io.gdn.tree.sha256": args["TREE_SHA256"],
+    }
+
+
+def image_tags(flavour: Flavour, pre: Preflight) -> list[str]:
+    """``gdn-megatron:<flavour>`` and ``gdn-megatron:<flavour>-<patch sha12>``."""
+    return [f"{IMAGE_REPO}:{flavour.name}", f"{IMAGE_REPO}:{flavour.name}-{pre.patch_sha256[:12]}"]
+
+
+# --------------------------------------------------------------------------- context
+
+CONTEXT_SCRIPTS = {"bin": ("apply-patch.sh", "capability_check.py", "run-suite.sh"),
+                   "deps": ("install-deps.sh",)}
+
+
+def _copy(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dest)
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
+
+
+def stage_context(inputs: Inputs, flavour: Flavour, dest: Path) -> Path:
+    """Write the build context to ``dest`` (replaced); returns ``dest``.
+
+    Layout (the Dockerfile's header lists it): Dockerfile, deps/ (locks, install
+    script, wheels/), tree/megatron/, tests/image/, patch/ (patch, manifest), bin/.
+    """
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", ".pytest_cache", "*.pyc", "*.pyo")
+    _copy(inputs.dockerfile, dest / "Dockerfile")
+    _copy(inputs.lock, dest / "deps" / "requirements.lock")
+    _copy(inputs.torch_lock, dest / "deps" / "torch-cpu.lock")
+    (dest / "deps" / "wheels").mkdir(parents=True)
+    if flavour.torch_from == "wheel":
+        _link_or_copy(inputs.torch_wheel, dest / "deps" / "wheels" / inputs.torch_wheel.name)
+    for sub, names in CONTEXT_SCRIPTS.items():
+        for name in names:
+            _copy(inputs.docker_dir / name, dest / sub / name)
+    shutil.copytree(inputs.tree / "megatron", dest / "tree" / "megatron", symlinks=True, ignore=ignore)
+    shutil.copytree(inputs.tests, dest / "tests" / "image", symlinks=True, ignore=ignore)
+    _copy(inputs.patch, dest / "patch" / "megatron.patch")
+    _copy(inputs.manifest, dest / "patch" / "manifest.json")
+    return dest
+
+
+# --------------------------------------------------------------------------- docker
+
+def docker_client(timeout: int = 600):
+    """A docker-py client that answers ``ping``; raises :class:`DockerUnavailable`."""
+    try:
+        import docker
+    except ImportError as exc:
+        raise DockerUnavailable("the Python package `docker` (docker-py) is not installed",
+                                "Run `pip install 'docker>=7'` (or `pip install -e .[image]`).") from exc
+    try:
+        client = docker.from_env(timeout=timeout)
+        client.ping()
+    except Exception as exc:  # DockerException, connection refused, permission denied
+        where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+        raise DockerUnavailable(f"no Docker Engine answers at {where} ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from exc
+    return client
+
+
+def docker_root_dir(client) -> Path:
+    try:
+        return Path(client.info().get("DockerRootDir") or "/var/lib/docker")
+    except Exception:
+        return Path("/var/lib/docker")
+
+
+def image_exists(client, ref: str) -> bool:
+    import docker
+
+    try:
+        client.images.get(ref)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
+
+
+def ensure_base_image(client, tag: str = CPU_BASE_IMAGE, work: Optional[Path] = None,
+                      on_line: Line = _quiet, suite: str = DEBIAN_SUITE,
+                      mirror: str = DEBIAN_MIRROR) -> dict:
+    """Make the cpu base (debootstrap minbase + python3/venv/patch) unless ``tag`` exists.
+
+    Returns ``{"tag", "created", "seconds"}``. Needs root and debootstrap.
+    """
+    if image_exists(client, tag):
+        return {"tag": tag, "created": False, "seconds": 0.0}
+    if shutil.which("debootstrap") is None:
+        raise ImageError(f"base image {tag} is missing and debootstrap is not installed",
+                         "Run `sudo tools/dockerd-up` (it installs debootstrap), then `make image`.")
+    work = work or REPO_ROOT / "build" / "image"
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gdn-base-", dir=work) as tmp:
+        root = Path(tmp) / "rootfs"
+        cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(DEBOOTSTRAP_INCLUDE)}",
+               suite, str(root), mirror]
+        on_line(f"==> [base-image] {' '.join(cmd)}")
+        _run_streamed(cmd, "base-image", on_line)
+        tar_path = Path(tmp) / "rootfs.tar"
+        on_line(f"==> [base-image] importing {tag}")
+        _run_streamed(["tar", "--numeric-owner", "-C", str(root), "-cf", str(tar_path), "."],
+                      "base-image", on_line)
+        repo, _, version = tag.partition(":")
+        client.api.import_image_from_file(
+            str(tar_path), repository=repo, tag=version or "latest",
+            changes=['CMD ["/bin/bash"]', "ENV LANG=C.UTF-8"])
+    return {"tag": tag, "created": True, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def _run_streamed(cmd: list[str], step: str, on_line: Line) -> None:
+    tail: deque = deque(maxlen=LOG_TAIL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        tail.append(line)
+        on_line(line)
+    if proc.wait() != 0:
+        raise BuildStepFailed(step, f"`{' '.join(cmd[:2])} ...` exited {proc.returncode}", list(tail),
+                              "Check that the Debian mirror is reachable and that you are root, "
+                              "then run `make image` again.")
+
+
+# --------------------------------------------------------------------------- build
+
+_STEP = re.compile(r"^Step (\d+)/(\d+) : (.*)$")
+_MARKER = re.compile(r"^(?:==> |error: )\[([a-z0-9:-]+)\]")
+_NO_SPACE = re.compile(r"no space left on device", re.I)
+_PULL = re.compile(r"pull access denied|manifest unknown|dial tcp|no such host|"
+                   r"failed to resolve reference|error pulling image|"
+                   r"repository does not exist|Get \"?https?://", re.I)
+
+
+@dataclass
+class StepRecord:
+    """One Dockerfile step of a classic build."""
+
+    number: int
+    instruction: str
+    cached: bool = False
+    seconds: float = 0.0
+    marker: str = ""
+
+
+@dataclass
+class BuildTracker:
+    """Turns the classic builder's JSON stream into steps, a log tail and an error."""
+
+    on_line: Line = _quiet
+    steps: list = field(default_factory=list)
+    tail: deque = field(default_factory=lambda: deque(maxlen=LOG_TAIL))
+    image_id: Optional[str] = None
+    error: Optional[str] = None
+    _t: float = field(default_factory=time.monotonic)
+
+    def _close_step(self) -> None:
+        if self.steps:
+            self.steps[-1].seconds = round(time.monotonic() - self._t, 2)
+        self._t = time.monotonic()
+
+    def feed(self, chunk: dict) -> None:
+        if "stream" in chunk:
+            for line in chunk["stream"].splitlines():
+                self._line(line.rstrip())
+        if "aux" in chunk and isinstance(chunk["aux"], dict) and "ID" in chunk["aux"]:
+            self.image_id = chunk["aux"]["ID"]
+        if "status" in chunk:  # a pull of the base image
+            self._line(f"{chunk['status']} {chunk.get('progress', '') or ''}".rstrip())
+        if "error" in chunk or "errorDetail" in chunk:
+            detail = chunk.get("errorDetail", {}).get("message") or chunk.get("error", "")
+            self.error = detail.strip()
+            self._line(f"ERROR: {self.error}")
+
+    def _line(self, line: str) -> None:
+        if not line:
+            return
+        m = _STEP.match(line)
+        if m:
+            self._close_step()
+            self.steps.append(StepRecord(int(m.group(1)), m.group(3)))
+            self.tail.clear()
+        elif self.steps:
+            if "Using cache" in line:
+                self.steps[-1].cached = True
+            mk = _MARKER.match(line)
+            if mk:
+                self.steps[-1].marker = mk.group(1)
+        m2 = re.match(r"^Successfully built ([0-9a-f]{12,64})$", line)
+        if m2 and not self.image_id:
+            self.image_id = m2.group(1)
+        self.tail.append(line)
+        self.on_line(line)
+
+    def finish(self) -> None:
+        self._close_step()
+
+    def failed_step(self) -> str:
+        """Name of the failing step: the script's marker, else the Dockerfile instruction."""
+        if not self.steps:
+            return "context"
+        step = self.steps[-1]
+        instr = step.instruction
+        if step.marker:
+            return step.marker
+        if instr.startswith("FROM"):
+            return f"FROM ({instr[5:].split()[0] if len(instr) > 5 else ''})"
+        if "install-deps.sh" in instr:
+            return "deps"
+        if "apply-patch.sh" in instr:
+            return "patch-apply"
+        if "capability_check.py" in instr:
+            return "capability"
+        return f"{step.number} ({instr[:60]})"
+
+
+def classify_build_error(tracker: BuildTracker, base_image: str) -> ImageError:
+    """Map a failed build to the right error (disk, base image, or a named step)."""
+    text = "\n".join(list(tracker.tail) + [tracker.error or ""])
+    step = tracker.failed_step()
+    if _NO_SPACE.search(text):
+        return DiskSpaceError(f"the image build ran out of disk at step {step}:\n"
+                              + "\n".join(f"  | {t}" for t in list(tracker.tail)[-10:]))
+    if step.startswith("FROM") or (not tracker.steps and _PULL.search(text)) or (
+            tracker.steps and tracker.steps[-1].instruction.startswith("FROM") and _PULL.search(text)):
+        return BaseImageMissing(f"base image {base_image} is not on this machine and cannot be "
+                                f"pulled: {tracker.error or 'pull failed'}")
+    detail = tracker.error or "the step failed"
+    if step.startswith("capability"):
+        failed = [t for t in tracker.tail if "FAILED" in t]
+        if failed:
+            detail = "; ".join(f.split("] ", 1)[-1] for f in failed)[:500]
+    return BuildStepFailed(step, detail, list(tracker.tail))
+
+
+@dataclass
+class BuildResult:
+    """What a build produced."""
+
+    image_id: str
+    tags: list
+    flavour: str
+    seconds: float
+    steps: list
+    labels: dict
+    size_bytes: int
+    build_args: dict
+
+    @property
+    def cached_steps(self) -> int:
+        return sum(1 for s in self.steps if s["cached"])
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["cached_steps"] = self.cached_steps
+        return d
+
+
+def build_image(client, context: Path, args: dict[str, str], tags: list[str],
+                on_line: Line = _quiet, nocache: bool = False, target: Optional[str] = None) -> BuildResult:
+    """Classic build of ``context`` with host networking; raises on any failed step."""
+    import docker
+
+    t0 = time.monotonic()
+    tracker = BuildTracker(on_line=on_line)
+    try:
+        stream = client.api.build(path=str(context), tag=tags[0], buildargs=args, decode=True,
+                                  network_mode="host", rm=True, forcerm=True, pull=False,
+                                  nocache=nocache, target=target)
+        for chunk in stream:
+            tracker.feed(chunk)
+    except docker.errors.APIError as exc:
+        tracker.error = str(exc.explanation or exc)
+        tracker.finish()
+        raise classify_build_error(tracker, args["BASE_IMAGE"]) from exc
+    tracker.finish()
+    if tracker.error or not tracker.image_id:
+        tracker.error = tracker.error or "the build stream ended without an image"
+        raise classify_build_error(tracker, args["BASE_IMAGE"])
+    image = client.images.get(tracker.image_id)
+    for tag in tags[1:]:
+        repo, _, version = tag.partition(":")
+        image.tag(repo, version)
+    image.reload()
+    labels = image.labels or {}
+    if target in (None, "image"):
+        want = expected_labels(args)
+        wrong = {k: (labels.get(k), v) for k, v in want.items() if labels.get(k) != v}
+        if wrong:
+            raise BuildStepFailed("labels", f"labels differ from the inputs: {wrong}", list(tracker.tail))
+    return BuildResult(
+        image_id=image.id, tags=list(tags), flavour=args["GDN_FLAVOUR"],
+        seconds=round(time.monotonic() - t0, 1),
+        steps=[asdict(s) for s in tracker.steps], labels=dict(labels),
+        size_bytes=int(image.attrs.get("Size", 0)), build_args=dict(args))
+
+
+# --------------------------------------------------------------------------- gate
+
+def parse_junit(xml_text: str) -> dict:
+    """Counts and failing test ids from pytest's JUnit XML (xunit1 or xunit2)."""
+    try:
+        root = ET.fromstring(xml_text)
+    except ET.ParseError as exc:
+        raise GateFailed(f"the suite's JUnit XML is unreadable: {exc}") from exc
+    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failing = []
+    for case in root.iter("testcase"):
+        counts["tests"] += 1
+        tid = f"{case.get('classname', '')}::{case.get('name', '')}"
+        kinds = {child.tag for child in case}
+        if "failure" in kinds:
+            counts["failed"] += 1
+            failing.append(tid)
+        elif "error" in kinds:
+            counts["errors"] += 1
+            failing.append(tid)
+        elif "skipped" in kinds:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    counts["failing"] = sorted(failing)
+    return counts
+
+
+def gate_verdict(counts: dict, exit_code: int) -> tuple[bool, str]:
+    """``(ok, reason)``: refuse any failure or error, and a run with no passed test."""
+    if counts["failed"] or counts["errors"]:
+        return False, f"{counts['failed']} failed, {counts['errors']} errors"
+    if counts["passed"] == 0:
+        return False, f"the suite ran no test ({counts['tests']} collected, {counts['skipped']} skipped)"
+    if exit_code not in (0,):
+        return False, f"pytest exited {exit_code} although the JUnit XML shows no failure"
+    return True, f"{counts['passed']} passed, {counts['skipped']} skipped"
+
+
+def host_has_gpus() -> bool:
+    """True when an NVIDIA GPU is visible on the host (nvidia-smi lists one)."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def _read_from_container(container, path: str) -> Optional[bytes]:
+    import docker
+
+    try:
+        bits, _ = container.get_archive(path)
+    except docker.errors.NotFound:
+        return None
+    buf = io.BytesIO(b"".join(bits))
+    with tarfile.open(fileobj=buf) as tar:
+        member = tar.next()
+        if member is None:
+            return None
+        f = tar.extractfile(member)
+        return f.read() if f else None
+
+
+def run_gate(client, image_ref: str, gpus: Optional[bool] = None, on_line: Line = _quiet,
+             pytest_args: Iterable[str] = (), timeout_s: int = 3600) -> dict:
+    """Run the image's suite inside ``image_ref``; returns the report (never raises on test failures)."""
+    import docker
+
+    image = client.images.get(image_ref)
+    use_gpus = host_has_gpus() if gpus is None else gpus
+    device_requests = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if use_gpus else None
+    out_dir = "/tmp/gdn-gate"
+    t0 = time.monotonic()
+    container = client.containers.create(
+        image.id, command=["sh", "/opt/gdn/bin/run-suite.sh", out_dir, *pytest_args],
+        network_mode="host", device_requests=device_requests, detach=True,
+        environment={"PYTHONUNBUFFERED": "1"})
+    tail: deque = deque(maxlen=LOG_TAIL * 2)
+    try:
+        container.start()
+        buf = ""
+        for chunk in container.logs(stream=True, follow=True):
+            buf += chunk.decode(errors="replace")
+            while "\n" in buf:
+                line, buf = buf.split("\n", 1)
+                tail.append(line)
+                on_line(line)
+            if time.monotonic() - t0 > timeout_s:
+                container.kill()
+                break
+        if buf:
+            tail.append(buf)
+            on_line(buf)
+        exit_code = int(container.wait(timeout=60).get("StatusCode", -1))
+        junit = _read_from_container(container, f"{out_dir}/junit.xml")
+        capability = _read_from_container(container, "/opt/gdn/capability.json")
+    finally:
+        container.remove(force=True)
+    seconds = round(time.monotonic() - t0, 1)
+    labels = image.labels or {}
+    cap = json.loads(capability) if capability else {}
+    if junit is None:
+        counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failing": []}
+        ok, reason = False, f"the suite wrote no JUnit XML (pytest exited {exit_code})"
+    else:
+        counts = parse_junit(junit.decode(errors="replace"))
+        ok, reason = gate_verdict(counts, exit_code)
+    return {
+        "ok": ok,
+        "reason": reason,
+        "image": {"id": image.id, "tags": sorted(image.tags), "flavour": labels.get("io.gdn.flavour")},
+        "pins": {k[len("io.gdn.pin."):]: v for k, v in sorted(labels.items()) if k.startswith("io.gdn.pin.")},
+        "patch_sha256": labels.get("io.gdn.patch.sha256"),
+        "manifest_sha256": labels.get("io.gdn.manifest.sha256"),
+        "versions": cap.get("versions", {}),
+        "python": cap.get("python"),
+        "gpus": use_gpus,
+        "suite": {"part": "all" if use_gpus else "cpu", "exit_code": exit_code, "seconds": seconds,
+                  **counts},
+        "log_tail": list(tail)[-LOG_TAIL:],
+    }
+
+
+def require_gate_ok(report: dict) -> None:
+    """Raise :class:`GateFailed` (log tail included) unless the report passed."""
+    if report["ok"]:
+        return
+    s = report["suite"]
+    lines = [f"image gate refused {report['image']['id'][:19]}: {report['reason']}"]
+    if s.get("failing"):
+        lines.append("failing: " + ", ".join(s["failing"][:20]))
+    lines.append(f"--- last {len(report['log_tail'])} lines of step suite:")
+    lines += [f"  | {t}" for t in report["log_tail"]]
+    raise GateFailed("\n".join(lines))
+
+
+def write_json(path: Path, data: dict) -> Path:
+    """The one JSON writer: sorted keys, indent 2, trailing newline."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------- measure
+
+def one_line_change(patch_text: str, note: str = "rebuild probe") -> str:
+    """The patch with one added line changed (a comment gets ``note`` appended).
+
+    Picks the first added comment line; without one, appends a comment line to the
+    first hunk that creates a file (and fixes its header). The change keeps the
+    patch applicable with zero fuzz.
+    """
+    lines = patch_text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.startswith("+") and not line.startswith("+++") and line[1:].lstrip().startswith("#"):
+            body = line.rstrip("\n")
+            lines[i] = f"{body} ({note})\n"
+            return "".join(lines)
+    for i, line in enumerate(lines):
+        m = re.match(r"^@@ -0,0 \+1,(\d+) @@(.*)$", line.rstrip("\n"))
+        if m:
+            n = int(m.group(1))
+            lines[i] = f"@@ -0,0 +1,{n + 1} @@{m.group(2)}\n"
+            j = i + 1 + n
+            lines.insert(j, f"+# {note}\n")
+            return "".join(lines)
+    raise InputError("the patch has no added comment line and no new file to change for the rebuild probe",
+                     "Measure with a patch that adds at least one comment line.")

@@ -1,0 +1,242 @@
+"""Command line of the image pipeline (`tools/image`): parses flags, calls backport.image, prints.
+
+Progress and diagnostics go to stderr; results (JSON paths, the image id) to stdout.
+Exit codes: 0 ok; 1 unexpected; 2 usage; 9 a build step failed; 10 no Docker Engine;
+11 disk space; 12 gate refused; 13 inputs missing or inconsistent; 14 base image missing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from . import image as img
+from .errors import PipelineError
+
+try:
+    from rich.console import Console
+
+    _console: Optional["Console"] = Console(stderr=True, highlight=False, soft_wrap=True)
+except ImportError:  # rich is a dependency; plain stderr still works without it
+    _console = None
+
+RESULTS = img.REPO_ROOT / "results" / "pipeline"
+
+
+def say(text: str, style: str = "") -> None:
+    if _console is not None:
+        _console.print(text, style=style or None, markup=False)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+def stream_line(line: str) -> None:
+    """Build/suite log lines: steps bold, script markers cyan, the rest dim."""
+    if line.startswith("Step "):
+        say(line, "bold")
+    elif line.startswith(("==> ", "error: ")):
+        say(line, "cyan" if line.startswith("==> ") else "bold red")
+    else:
+        say(f"  {line}", "dim")
+
+
+def _inputs(tree, patch, manifest, lock, torch_wheel) -> img.Inputs:
+    base = img.Inputs()
+    return img.Inputs(
+        tree=Path(tree) if tree else base.tree,
+        patch=Path(patch) if patch else base.patch,
+        manifest=Path(manifest) if manifest else base.manifest,
+        lock=Path(lock) if lock else base.lock,
+        torch_wheel=Path(torch_wheel) if torch_wheel else base.torch_wheel,
+    )
+
+
+def _build_options(f):
+    options = [
+        click.option("--flavour", type=click.Choice(sorted(img.FLAVOURS)), default="cuda", show_default=True,
+                     help="cuda: NGC PyTorch base, for users. cpu: local Debian base + CPU torch, for gating."),
+        click.option("--base-image", default=None, help="Override the flavour's BASE_IMAGE."),
+        click.option("--tree", type=click.Path(), help="Tree root holding megatron/ [build/tree/base]."),
+        click.option("--patch", type=click.Path(), help="Patch [patches/latest/megatron.patch]."),
+        click.option("--manifest", type=click.Path(), help="Manifest [patches/latest/manifest.json]."),
+        click.option("--lock", type=click.Path(), help="Requirements lock [docker/requirements.lock]."),
+        click.option("--torch-wheel", type=click.Path(), help=f"cpu torch wheel [{img.CPU_TORCH_WHEEL}]."),
+        click.option("--no-cache", is_flag=True, help="Build every layer again."),
+        click.option("--min-free-gb", type=float, default=25.0, show_default=True,
+                     help="Refuse to start with less free disk under Docker's root."),
+        click.option("--context-dir", type=click.Path(), default=None,
+                     help="Where to stage the build context [build/image/context-<flavour>]."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_cache, min_free_gb,
+             context_dir, client=None) -> img.BuildResult:
+    """Preflight, base image, context, build: the shared part of `build`, `gate`, `measure`."""
+    fl = img.FLAVOURS[flavour]
+    inputs = _inputs(tree, patch, manifest, lock, torch_wheel)
+    pre = img.preflight(inputs, fl)
+    say(f"==> [preflight] patch {pre.patch_name} sha256 {pre.patch_sha256[:12]}, {pre.hunks} hunks; "
+        f"flavour {fl.name}", "cyan")
+    client = client or img.docker_client()
+    free = img.check_disk(img.docker_root_dir(client), min_free_gb)
+    say(f"==> [preflight] {free:.0f} GiB free under {img.docker_root_dir(client)}", "cyan")
+    base = base_image or fl.base_image
+    if fl.name == "cpu" and base == img.CPU_BASE_IMAGE:
+        made = img.ensure_base_image(client, base, on_line=stream_line)
+        if made["created"]:
+            say(f"==> [base-image] made {base} in {made['seconds']} s", "cyan")
+    elif not img.image_exists(client, base):
+        raise img.BaseImageMissing(
+            f"base image {base} is not on this machine, and no registry can be reached from here "
+            f"(the {fl.name} flavour's build cannot run on this machine)")
+    ctx = Path(context_dir) if context_dir else img.REPO_ROOT / "build" / "image" / f"context-{fl.name}"
+    img.stage_context(inputs, fl, ctx)
+    say(f"==> [context] staged {ctx}", "cyan")
+    args = img.build_args(fl, pre, base)
+    tags = img.image_tags(fl, pre)
+    result = img.build_image(client, ctx, args, tags, on_line=stream_line, nocache=no_cache)
+    say(f"==> [build] {result.tags[0]} = {result.image_id[:19]} in {result.seconds} s "
+        f"({result.cached_steps}/{len(result.steps)} steps cached)", "bold green")
+    return result
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli():
+    """Build and gate the GDN training image through docker-py."""
+
+
+@cli.command()
+@_build_options
+@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the build record here.")
+def build(json_out, **kw):
+    """Build the image from the pinned tree and the verified patch (`make image`)."""
+    result = do_build(**kw)
+    if json_out:
+        img.write_json(Path(json_out), result.to_dict())
+    click.echo(result.image_id)
+
+
+@cli.command()
+@_build_options
+@click.option("--image", "image_ref", default=None, help="Gate this image instead of building one.")
+@click.option("--gpus", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="GPU part of the suite: auto runs it when the host has GPUs.")
+@click.option("--report", type=click.Path(), default=str(RESULTS / "gate-report.json"), show_default=True)
+def gate(image_ref, gpus, report, **kw):
+    """Build the image, run its regression suite inside it, write a JSON report (`make gate`)."""
+    client = img.docker_client()
+    build_record = None
+    if image_ref is None:
+        result = do_build(client=client, **kw)
+        image_ref, build_record = result.image_id, result
+    say(f"==> [suite] running the image's regression suite in {image_ref[:19]}", "cyan")
+    data = img.run_gate(client, image_ref, gpus={"auto": None, "on": True, "off": False}[gpus],
+                        on_line=stream_line)
+    if build_record is not None:
+        data["build"] = {"seconds": build_record.seconds, "cached_steps": build_record.cached_steps,
+                         "steps": len(build_record.steps)}
+    path = img.write_json(Path(report), data)
+    s = data["suite"]
+    say(f"==> [gate] {'PASS' if data['ok'] else 'REFUSED'}: {s['passed']} passed, {s['failed']} failed, "
+        f"{s['errors']} errors, {s['skipped']} skipped; report {path}", "bold green" if data["ok"] else "bold red")
+    click.echo(str(path))
+    img.require_gate_ok(data)
+
+
+@cli.command()
+@click.option("--tag", default=img.CPU_BASE_IMAGE, show_default=True)
+def base(tag):
+    """Make the local cpu base image (debootstrap bookworm minbase + python3, venv, patch)."""
+    client = img.docker_client()
+    made = img.ensure_base_image(client, tag, on_line=stream_line)
+    say(f"==> [base-image] {tag}: {'made in %s s' % made['seconds'] if made['created'] else 'already present'}",
+        "cyan")
+    click.echo(tag)
+
+
+@cli.command()
+@click.option("--torch-wheel", type=click.Path(exists=True), default=str(img.CPU_TORCH_WHEEL), show_default=True)
+def lock(torch_wheel):
+    """Regenerate docker/requirements.lock from docker/requirements.in (needs PyPI)."""
+    from .image_lock import write_lock
+
+    inputs = img.Inputs()
+    entries = write_lock(inputs.docker_dir / "requirements.in", Path(torch_wheel), inputs.lock)
+    say(f"==> [lock] {len(entries)} packages pinned with hashes in {inputs.lock}", "cyan")
+    click.echo(str(inputs.lock))
+
+
+@cli.command()
+@_build_options
+@click.option("--out", type=click.Path(), default=str(RESULTS / "image-timings.json"), show_default=True)
+def measure(out, **kw):
+    """Time a cold build, then a rebuild after a one-line patch change; write the figures."""
+    import json
+
+    client = img.docker_client()
+    kw = dict(kw)
+    kw["no_cache"] = True
+    say("==> [measure] cold build (no layer cache)", "bold")
+    cold = do_build(client=client, **kw)
+    inputs = _inputs(kw["tree"], kw["patch"], kw["manifest"], kw["lock"], kw["torch_wheel"])
+    probe = img.REPO_ROOT / "build" / "image" / "probe"
+    probe.mkdir(parents=True, exist_ok=True)
+    changed = img.one_line_change(inputs.patch.read_text())
+    (probe / "megatron.patch").write_text(changed)
+    manifest = json.loads(inputs.manifest.read_text())
+    manifest.setdefault("patch", {})["sha256"] = img.sha256_file(probe / "megatron.patch")
+    img.write_json(probe / "manifest.json", manifest)
+    kw.update(no_cache=False, patch=str(probe / "megatron.patch"), manifest=str(probe / "manifest.json"))
+    say("==> [measure] rebuild after a one-line patch change", "bold")
+    re = do_build(client=client, **kw)
+    info = client.info()
+    data = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "flavour": cold.flavour,
+        "machine": {"cpus": info.get("NCPU"), "memory_gib": round(info.get("MemTotal", 0) / 2**30, 1),
+                    "storage_driver": info.get("Driver"), "docker": info.get("ServerVersion"),
+                    "builder": "classic (docker-py)"},
+        "cold": {"seconds": cold.seconds, "image_size_bytes": cold.size_bytes,
+                 "steps": [{k: s[k] for k in ("number", "instruction", "cached", "seconds")} for s in cold.steps]},
+        "rebuild_one_line_patch_change": {
+            "seconds": re.seconds,
+            "rebuilt_steps": [s["instruction"] for s in re.steps if not s["cached"]],
+            "cached_steps": re.cached_steps, "steps": len(re.steps),
+            "step_seconds": [{k: s[k] for k in ("number", "instruction", "cached", "seconds")} for s in re.steps],
+        },
+    }
+    path = img.write_json(Path(out), data)
+    say(f"==> [measure] cold {cold.seconds} s, rebuild {re.seconds} s; {path}", "bold green")
+    click.echo(str(path))
+
+
+@cli.command()
+def prune():
+    """Remove dangling images and stopped build containers (frees vfs disk)."""
+    client = img.docker_client()
+    c = client.containers.prune()
+    i = client.images.prune(filters={"dangling": True})
+    freed = (c.get("SpaceReclaimed") or 0) + (i.get("SpaceReclaimed") or 0)
+    say(f"==> [prune] reclaimed {freed / 2**30:.1f} GiB", "cyan")
+
+
+def main(argv=None) -> None:
+    try:
+        cli.main(args=argv, prog_name="tools/image", standalone_mode=False)
+    except click.exceptions.Abort:
+        say("aborted", "bold red")
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(2)
+    except PipelineError as exc:
+        say(f"error: {exc.message}", "bold red")
+        say(f"hint: {exc.hint}", "yellow")
+        sys.exit(exc.exit_code)
