@@ -21,10 +21,10 @@ $(VENV)/.installed: pyproject.toml requirements/verify.txt
 venv: $(VENV)/.installed
 
 patch: venv  ## Backport 5139086e onto the pinned tree: patch, manifest, trees.
-	$(PY) tools/backport --upstream 5139086e --python $(PY)
+	$(PY) tools/backport --upstream 5139086e --python $(abspath $(PY))
 
 check-patch: venv  ## Regenerate and compare with the files on disk.
-	$(PY) tools/backport --check --python $(PY)
+	$(PY) tools/backport --check --python $(abspath $(PY))
 
 # ---- tests --------------------------------------------------------------------
 test: venv  ## Unit tests, integration test (real mirrors), CPU regression suite.

@@ -84,7 +84,8 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
         opts = engine.Options(
             recipe=recipe, upstream=upstream, megatron_lm=megatron_lm, megatron_bridge=megatron_bridge,
             cache_dir=cache_dir or default_cache_dir(), carry=carry, date=engine.parse_date(date),
-            allow_pin_mismatch=allow_pin_mismatch, offline=offline, import_check=not no_import_check, python=python,
+            allow_pin_mismatch=allow_pin_mismatch, offline=offline, import_check=not no_import_check,
+            python=str(Path(python).absolute()) if "/" in python else python,
         )
         if list_hunks:
             for line in engine.list_hunks(opts, progress=lambda msg: err.print(f"[dim]… {msg}[/dim]")):
