@@ -1,0 +1,308 @@
+"""backport.engine.build end to end on the fake repositories (no import check); output; CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from backport import output
+from backport.cli import cli
+from backport.engine import Options, build, parse_date
+from backport.errors import ApplyError, PinError, RecipeError, SourceError, UsageError, VerificationError
+
+from conftest import recipe_data, write_recipe
+
+pytestmark = pytest.mark.usefixtures("engine_env")
+
+
+@pytest.fixture(scope="module")
+def built(fake_repos, tmp_path_factory):
+    """One build of the full fake recipe, shared by the read-only assertions below."""
+    tmp = tmp_path_factory.mktemp("built")
+    path = write_recipe(tmp / "fake.yaml", recipe_data(fake_repos))
+    opts = Options(recipe=path, megatron_lm=str(fake_repos.mlm), megatron_bridge=str(fake_repos.bridge_repo),
+                   cache_dir=tmp / "cache", date="20260102", import_check=False)
+    return build(opts), opts
+
+
+def test_patch_is_deterministic_across_builds(built, recipe, make_options):
+    again = build(make_options(recipe, offline=False))
+    assert again.patch == built[0].patch
+    assert again.manifest == built[0].manifest
+
+
+def test_second_build_works_offline_from_the_cache(built, fake_repos):
+    b, opts = built
+    offline = build(Options(recipe=opts.recipe, megatron_lm="/nonexistent", megatron_bridge="/nonexistent",
+                            cache_dir=opts.cache_dir, date=opts.date, import_check=False, offline=True))
+    assert offline.patch == b.patch and offline.cold is False
+
+
+def test_every_changed_line_is_attributed(built):
+    m = built[0].manifest
+    for f in m["files"]:
+        for h in f["hunks"]:
+            assert sum(o["added"] for o in h["origins"]) == h["added"]
+            assert sum(o["removed"] for o in h["origins"]) == h["removed"]
+            assert all(o["origin"] in m["origins"] for o in h["origins"])
+    assert m["attribution"]["exact"] + m["attribution"]["by_neighbour"] == m["patch"]["added"] + m["patch"]["removed"]
+    patch = built[0].patch.decode().splitlines()
+    assert m["patch"]["added"] == sum(1 for x in patch if x.startswith("+") and not x.startswith("+++"))
+    assert m["patch"]["removed"] == sum(1 for x in patch if x.startswith("-") and not x.startswith("---"))
+
+
+def test_manifest_records_pins_origins_and_dispositions(built, fake_repos):
+    m = built[0].manifest
+    assert m["pins"] == {"megatron_bridge": fake_repos.bridge, "mcore_base": fake_repos.base,
+                         "bridge_dev_commit": fake_repos.base, "upstream": fake_repos.upstream,
+                         "upstream_ref": "fake/Megatron-LM#1", "commits_between": 3,
+                         "prerequisites": [fake_repos.prereq]}
+    assert m["recipe"]["path"] == "fake.yaml"
+    assert m["patch"]["name"] == f"20260102-{fake_repos.base[:9]}.patch"
+    assert m["carry"] is None
+    kinds = {k: v["kind"] for k, v in m["origins"].items()}
+    assert kinds == {
+        "adapt-none-group": "adaptation", "add-gdn-cp": "adaptation", "fix-tuple-index": "preserved-fix",
+        "megatron/core/context_parallel_layout.py#1": "upstream-verbatim",
+        "megatron/core/utils.py#1": "upstream-verbatim", "megatron/core/utils.py#2": "upstream-verbatim",
+        "prereq-resolve": "prerequisite"}
+    assert [m["origins"][f"megatron/core/utils.py#{n}"]["offset"] for n in (1, 2)][0] == -3
+    assert m["upstream_summary"] == {"adapted": 1, "excluded": 2, "verbatim": 3}
+    excluded = {u["id"]: u.get("reason") for u in m["upstream_hunks"] if u["disposition"] == "excluded"}
+    assert excluded == {"megatron/core/extras.py#1": "brings a forbidden name",
+                        "tests/unit_tests/test_utils.py#1": "upstream tests stay upstream"}
+
+
+def test_verification_records(built):
+    checks = {c["check"]: c for c in built[0].manifest["verification"]}
+    assert list(checks) == ["deterministic", "applies", "no_conflict_markers", "byte_compiles", "verbatim_files",
+                            "forbidden_strings", "imports"]
+    assert all(c["ok"] for name, c in checks.items() if name != "imports")
+    assert checks["imports"] == {"check": "imports", "ok": False, "detail": "skipped by --no-import-check"}
+
+
+def test_file_taken_whole_equals_upstream_bytes(built, fake_repos):
+    """upstream_file must reproduce the upstream blob exactly (final newline included)."""
+    from conftest import git
+    expected = git(fake_repos.mlm, "show", f"{fake_repos.upstream}:megatron/core/context_parallel_layout.py")
+    section = built[0].patch.decode().split("+++ b/megatron/core/context_parallel_layout.py\n")[1].split("diff --git")[0]
+    assert section.splitlines()[0] == "@@ -0,0 +1,5 @@"
+    assert "".join(line[1:] + "\n" for line in section.splitlines()[1:]) == expected
+
+
+def test_carried_patch_hunks_are_carried_origins(recipe, carry_patch, make_options):
+    b = build(make_options(recipe, carry=carry_patch))
+    m = b.manifest
+    assert m["carry"]["name"] == "downstream.patch"
+    assert m["carry"]["hunks"] == ["carry:megatron/bridge/models/gdn_bridge.py#1", "carry:megatron/core/ssm/gated_delta_net.py#1"]
+    assert m["origins"]["fix-tuple-index"]["status"] == "already-present"
+    assert b.patch.decode().count("tuple(slices)") == 1
+    carried = [o for f in m["files"] for h in f["hunks"] for o in h["origins"] if o["kind"] == "carried"]
+    assert sum(o["added"] for o in carried) == 4 and sum(o["removed"] for o in carried) == 1
+    assert "carry: sha256 " in b.patch.decode().split("diff --git")[0]
+
+
+def _edit(fake_repos, **change):
+    data = recipe_data(fake_repos)
+    for k, v in change.items():
+        if k == "pins":
+            data["pins"].update(v)
+        else:
+            data[k] = v(data) if callable(v) else v
+    return data
+
+
+@pytest.mark.parametrize("change, opts, error, code, in_message", [
+    (dict(pins={"megatron_bridge": "f01ab52539282866d6d63618697f02a577643563"}), {}, PinError, 4, ".dev.commit"),
+    (dict(pins={"commits_between": 2}), {}, PinError, 4, "3 commits lie between"),
+    ({}, {"upstream": "BASE"}, RecipeError, 5, "is written for"),
+    ({}, {"upstream": "0123456789ab"}, SourceError, 3, "not found in"),
+    (dict(excluded=lambda d: d["excluded"][:1]), {}, RecipeError, 5, "tests/unit_tests/test_utils.py#1"),
+])
+def test_build_errors(tmp_path, fake_repos, make_options, change, opts, error, code, in_message):
+    opts = {k: (fake_repos.base if v == "BASE" else v) for k, v in opts.items()}
+    if "megatron_bridge" in change.get("pins", {}):
+        change["pins"]["megatron_bridge"] = fake_repos.bridge_other
+    path = write_recipe(tmp_path / "r.yaml", _edit(fake_repos, **change))
+    with pytest.raises(error) as exc:
+        build(make_options(path, **opts))
+    assert exc.value.exit_code == code
+    assert in_message in exc.value.message
+
+
+def test_allow_pin_mismatch_accepts_another_dev_commit(tmp_path, fake_repos, make_options):
+    path = write_recipe(tmp_path / "r.yaml", _edit(fake_repos, pins={"megatron_bridge": fake_repos.bridge_other}))
+    b = build(make_options(path, allow_pin_mismatch=True))
+    assert b.manifest["pins"]["bridge_dev_commit"] == fake_repos.i1
+
+
+def test_non_ancestor_upstream_is_pin_error(tmp_path, fake_repos, make_options):
+    """side branches off base, before i1: i1 is not an ancestor of it."""
+    path = write_recipe(tmp_path / "r.yaml", _edit(fake_repos, pins={
+        "upstream": fake_repos.side, "mcore_base": fake_repos.i1, "megatron_bridge": fake_repos.bridge_other}))
+    with pytest.raises(PinError, match="is not an ancestor") as exc:
+        build(make_options(path))
+    assert exc.value.exit_code == 4
+
+
+def test_forbidden_string_from_a_step_fails_and_nothing_is_written(tmp_path, fake_repos, make_options, monkeypatch):
+    data = recipe_data(fake_repos)
+    data["excluded"] = data["excluded"][1:]
+    data["steps"].append({"id": "take-extras", "kind": "upstream_hunks", "hunks": ["megatron/core/extras.py#1"],
+                          "why": "brings the forbidden name in"})
+    path = write_recipe(tmp_path / "r.yaml", data)
+    monkeypatch.setattr(output, "write", lambda *a, **k: pytest.fail("output.write reached"))
+    runner = CliRunner()
+    result = runner.invoke(cli, ["--recipe", str(path), "--megatron-lm", str(fake_repos.mlm),
+                                 "--megatron-bridge", str(fake_repos.bridge_repo), "--cache-dir", str(tmp_path / "c"),
+                                 "--no-import-check", "--date", "2026-01-02", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 7, result.output
+    assert "error: verification check 'forbidden_strings' failed: 'pad_between_seqs' in megatron/core/extras.py" in result.stderr
+    assert "hint: " in result.stderr
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(VerificationError):
+        build(make_options(path))
+
+
+@pytest.mark.parametrize("step, error, in_message", [
+    ({"id": "add-again", "kind": "add_file", "path": "megatron/core/utils.py", "template": "gdn_context_parallel.py"},
+     ApplyError, "already exists in the base tree"),
+    ({"id": "bad-transform", "kind": "fix", "path": "megatron/core/utils.py", "transform": "no_such_transform"},
+     RecipeError, "unknown transform 'no_such_transform'"),
+    ({"id": "no-anchor", "kind": "fix", "path": "megatron/core/utils.py", "transform": "fix_local_cp_tuple_index"},
+     ApplyError, "'get_parameter_local_cp' not found"),
+    ({"id": "take-same", "kind": "upstream_file", "path": "megatron/core/extras.py", "hunks": ["megatron/core/extras.py#1"]},
+     None, None),
+])
+def test_step_errors(tmp_path, fake_repos, make_options, step, error, in_message):
+    data = recipe_data(fake_repos)
+    step = {**step, "why": "a step that must fail here"}
+    if step["kind"] == "upstream_file":
+        data["excluded"] = data["excluded"][1:]
+        data["forbidden_strings"] = []
+        data["steps"].append(step)
+        build(make_options(write_recipe(tmp_path / "r.yaml", data)))  # a whole changed file is fine
+        return
+    data["steps"].append(step)
+    with pytest.raises(error, match=in_message):
+        build(make_options(write_recipe(tmp_path / "r.yaml", data)))
+
+
+@pytest.mark.parametrize("value, env, expected", [
+    ("2026-11-29", None, "20261129"), ("20261129", None, "20261129"), (None, "0", "19700101"),
+    (None, "1764374400", "20251129"),
+])
+def test_parse_date(monkeypatch, value, env, expected):
+    if env is not None:
+        monkeypatch.setenv("SOURCE_DATE_EPOCH", env)
+    assert parse_date(value) == expected
+
+
+@pytest.mark.parametrize("value, env", [("29/11/2026", None), ("2026-02-30", None), (None, "yesterday")])
+def test_bad_date_is_usage_error(monkeypatch, value, env):
+    if env is not None:
+        monkeypatch.setenv("SOURCE_DATE_EPOCH", env)
+    with pytest.raises(UsageError) as exc:
+        parse_date(value)
+    assert exc.value.exit_code == 2
+
+
+# --- output --------------------------------------------------------------------------------
+
+def test_write_then_check_passes_and_is_byte_stable(built, tmp_path):
+    b = built[0]
+    first, second = tmp_path / "one", tmp_path / "two"
+    first.mkdir(), second.mkdir()
+    output.write(b, first, trees=True)
+    output.write(b, second, trees=False)
+    rels = list(output.rendered(b))
+    assert output.check(b, first) == rels
+    for rel in rels:
+        assert (first / rel).read_bytes() == (second / rel).read_bytes()
+    name = b.manifest["patch"]["name"]
+    assert (first / "patches/megatron" / name).read_bytes() == (first / "patches/latest/megatron.patch").read_bytes() == b.patch
+    assert (first / "build/tree/patched/megatron/core/utils.py").read_text() != (first / "build/tree/base/megatron/core/utils.py").read_text()
+    assert not list(first.glob(".gdn-stage-*"))
+
+
+@pytest.mark.parametrize("rel, action", [
+    ("patches/latest/megatron.patch", "edit"), ("manifests/lock.json", "edit"),
+    ("patches/latest/manifest.md", "delete"),
+])
+def test_check_reports_changed_files(built, tmp_path, rel, action):
+    output.write(built[0], tmp_path, trees=False)
+    if action == "edit":
+        (tmp_path / rel).write_bytes((tmp_path / rel).read_bytes() + b"x")
+    else:
+        (tmp_path / rel).unlink()
+    with pytest.raises(output.CheckMismatch) as exc:
+        output.check(built[0], tmp_path)
+    assert exc.value.exit_code == 8
+    assert f"{rel} ({'differs' if action == 'edit' else 'missing'})" in exc.value.message
+
+
+def test_canonical_json_and_lock(built, tmp_path):
+    assert output.canonical_json({"b": 1, "a": [2, {"d": 1, "c": "é"}]}) == \
+        '{\n  "a": [\n    2,\n    {\n      "c": "é",\n      "d": 1\n    }\n  ],\n  "b": 1\n}\n'.encode()
+    output.write(built[0], tmp_path, trees=False)
+    raw = (tmp_path / "patches/latest/manifest.json").read_bytes()
+    assert raw == output.canonical_json(json.loads(raw))
+    lock = json.loads((tmp_path / "manifests/lock.json").read_bytes())
+    import hashlib
+    assert lock["manifest_sha256"] == hashlib.sha256(raw).hexdigest()
+    assert lock["patch"]["sha256"] == hashlib.sha256(built[0].patch).hexdigest()
+
+
+# --- cli -----------------------------------------------------------------------------------
+
+def test_help_lists_the_flags():
+    result = CliRunner().invoke(cli, ["--help"])
+    assert result.exit_code == 0
+    for flag in ("--upstream", "--recipe", "--megatron-lm", "--megatron-bridge", "--cache-dir", "--offline",
+                 "--carry", "--date", "--out", "--allow-pin-mismatch", "--no-import-check", "--python",
+                 "--no-trees", "--dry-run", "--check", "--list-hunks", "--verbose"):
+        assert flag in result.output
+
+
+def test_dry_run_and_check_together_exit_2(tmp_path):
+    result = CliRunner().invoke(cli, ["--dry-run", "--check", "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.stderr == "error: --dry-run and --check exclude each other.\nhint: Use one of them.\n"
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("args, code, in_error", [
+    (["--date", "tomorrow"], 2, "error: --date 'tomorrow' is not YYYY-MM-DD."),
+    (["--recipe", "MISSING"], 5, "error: cannot read recipe"),
+    (["--offline"], 3, "--offline was given"),
+])
+def test_cli_errors_print_error_and_hint(tmp_path, fake_repos, recipe, args, code, in_error):
+    args = [str(tmp_path / "missing.yaml") if a == "MISSING" else a for a in args]
+    base = ["--recipe", str(recipe), "--cache-dir", str(tmp_path / "empty-cache"),
+            "--megatron-lm", str(fake_repos.mlm), "--megatron-bridge", str(fake_repos.bridge_repo)]
+    result = CliRunner().invoke(cli, base + args)
+    assert result.exit_code == code, result.output
+    assert in_error in result.stderr
+    assert "\nhint: " in result.stderr
+
+
+def test_cli_list_hunks_dry_run_and_check(tmp_path, fake_repos, recipe):
+    base = ["--recipe", str(recipe), "--cache-dir", str(tmp_path / "c"), "--megatron-lm", str(fake_repos.mlm),
+            "--megatron-bridge", str(fake_repos.bridge_repo), "--no-import-check", "--date", "2026-01-02"]
+    runner = CliRunner()
+    listed = runner.invoke(cli, base + ["--list-hunks"])
+    assert listed.exit_code == 0
+    assert listed.stdout.splitlines()[0] == "megatron/core/context_parallel_layout.py#1  +5 -0  @@ -0,0 +1,5 @@"
+    dry = runner.invoke(cli, base + ["--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "dry run: outputs in " in dry.stdout
+    out = tmp_path / "out"
+    out.mkdir()
+    checked = runner.invoke(cli, base + ["--check", "--out", str(out)])
+    assert checked.exit_code == 8
+    assert "(missing)" in checked.stderr
+    written = runner.invoke(cli, base + ["--out", str(out), "--no-trees", "--offline"])
+    assert written.exit_code == 0, written.output
+    assert runner.invoke(cli, base + ["--check", "--out", str(out), "--offline"]).exit_code == 0

@@ -1,0 +1,192 @@
+"""backport.transforms: each GDN transform on small stand-in sources (tests/unit/data/)."""
+
+from __future__ import annotations
+
+import ast
+
+import libcst as cst
+import pytest
+
+from backport.errors import ApplyError
+from backport.transforms import REGISTRY, register
+from backport.transforms.gdn import ADAPTATIONS
+from backport.transforms.transplant import transplant
+
+from conftest import DATA
+
+CONFIG = (DATA / "transformer_config.py").read_text()
+GDN = (DATA / "gated_delta_net.py").read_text()
+
+FIXES = ["fix_prepare_qkv_no_dynamo", "fix_local_cp_tuple_index"]
+
+
+def test_registry_lists_the_gdn_transforms():
+    assert sorted(REGISTRY) == sorted([
+        "gdn_config_linear_cp_mode", "gdn_imports", "gdn_init_check_linear_cp", "gdn_linear_cp_forward",
+        "gdn_prepare_qkv_headwise_cp_size", "gdn_local_cp_none_group", *FIXES])
+
+
+def test_registering_a_name_twice_is_refused():
+    with pytest.raises(RuntimeError, match="registered twice"):
+        register("gdn_imports")(lambda text, path="": None)
+
+
+@pytest.mark.parametrize("name, old, new", [
+    ("fix_local_cp_tuple_index", "return param[slices]", "return param[tuple(slices)]"),
+    ("fix_prepare_qkv_no_dynamo", "    @jit_fuser\n    def _prepare", "    @torch.compiler.disable\n    def _prepare"),
+    ("gdn_local_cp_none_group", "cp_size = cp_group.size()\n    cp_rank = cp_group.rank()",
+     "cp_size = cp_group.size() if cp_group is not None else 1\n    cp_rank = cp_group.rank() if cp_group is not None else 0"),
+    ("gdn_prepare_qkv_headwise_cp_size",
+     "def _prepare_qkv_for_gated_delta_rule(self, qkv, batch):\n        heads = qkv // self.cp_size",
+     "def _prepare_qkv_for_gated_delta_rule(self, qkv, batch, cp_size_headwise):\n        heads = qkv // cp_size_headwise"),
+])
+def test_small_transforms_change_exactly_their_anchor(name, old, new):
+    assert GDN.count(old) == 1
+    result = REGISTRY[name](GDN, "gated_delta_net.py")
+    assert result.status == "applied"
+    assert result.text == GDN.replace(old, new)
+
+
+def test_config_transform_adds_the_field_after_cp_comm_type_and_replaces_the_head_assert():
+    result = REGISTRY["gdn_config_linear_cp_mode"](CONFIG, "transformer_config.py")
+    tree = ast.parse(result.text)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TransformerConfig")
+    fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
+    assert fields == ["hidden_size", "cp_comm_type", "linear_cp_mode", "num_layers"]
+    field = next(n for n in cls.body if isinstance(n, ast.AnnAssign) and n.target.id == "linear_cp_mode")
+    assert ast.literal_eval(field.value) == "headwise"
+    # the docstring of cp_comm_type stays attached to it (the field goes after it)
+    assert result.text.index('"""How attention exchanges') < result.text.index("linear_cp_mode: str")
+    post_init = ast.get_source_segment(result.text, next(n for n in cls.body if isinstance(n, ast.FunctionDef)))
+    assert "tp_cp_size" not in post_init
+    assert "check_linear_cp_geometry(\n            self.linear_cp_mode," in post_init
+    assert post_init.index('raise ValueError("hidden_size') < post_init.index("check_linear_cp_geometry(")
+    assert post_init.rstrip().endswith("self.done = True")
+
+
+def test_imports_go_after_the_process_groups_import():
+    text = REGISTRY["gdn_imports"](GDN, "gated_delta_net.py").text
+    tree = ast.parse(text)
+    modules = [n.module for n in tree.body if isinstance(n, ast.ImportFrom)]
+    assert modules == ["megatron.core.jit", "megatron.core.process_groups_config",
+                       "megatron.core.context_parallel_layout", "megatron.core.ssm"]
+    assert text.replace(text[text.index("\nfrom megatron.core.context_parallel_layout"):
+                             text.index("gdn_context_parallel\n") + len("gdn_context_parallel\n")], "") == GDN
+
+
+def test_init_check_follows_v_dim_local_tp():
+    text = REGISTRY["gdn_init_check_linear_cp"](GDN, "gated_delta_net.py").text
+    init = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    src = [ast.unparse(s) for s in init.body]
+    i = src.index("self.v_dim_local_tp = 4 // tp_size")
+    assert src[i + 1].startswith("gdn_context_parallel.check_linear_cp_geometry(self.config.linear_cp_mode")
+    assert src[i + 2] == "self.built = True"
+
+
+def test_forward_is_replaced_by_the_template_and_nothing_else_changes():
+    text = REGISTRY["gdn_linear_cp_forward"](GDN, "gated_delta_net.py").text
+    tree = ast.parse(text)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef))
+    methods = [n.name for n in cls.body if isinstance(n, ast.FunctionDef)]
+    assert methods == ["__init__", "forward", "_prepare_qkv_for_gated_delta_rule"]
+    forward = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    template = ast.parse((ADAPTATIONS / "gated_delta_net_forward.py").read_text())
+    expected = next(n for n in template.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    # same code; the docstring is re-indented with the method, so compare it cleaned
+    assert ast.get_docstring(forward) == ast.get_docstring(expected)
+    assert ast.dump(forward.args) == ast.dump(expected.args)
+    assert [ast.dump(s) for s in forward.body[1:]] == [ast.dump(s) for s in expected.body[1:]]
+    old_fwd = "    def forward(self, hidden_states, attention_mask):\n        return hidden_states\n"
+    start = text.index("    def forward(")
+    end = text.index("    @jit_fuser")
+    assert text[:start] + old_fwd + "\n" + text[end:] == GDN
+
+
+def _drop(text, old, new=""):
+    assert old in text
+    return text.replace(old, new)
+
+
+@pytest.mark.parametrize("name, source, anchor", [
+    ("gdn_config_linear_cp_mode", _drop(CONFIG, "class TransformerConfig", "class OtherConfig"), "'TransformerConfig'"),
+    ("gdn_config_linear_cp_mode", _drop(CONFIG, '    cp_comm_type: str = "p2p"\n'), "TransformerConfig.cp_comm_type"),
+    ("gdn_config_linear_cp_mode", _drop(CONFIG, "def __post_init__", "def validate"), "'__post_init__'"),
+    ("gdn_config_linear_cp_mode", _drop(CONFIG, "tp_cp_size =", "tp_size ="), "tp_cp_size = ..."),
+    ("gdn_imports", _drop(GDN, "from megatron.core.process_groups_config import ProcessGroupCollection\n"),
+     "megatron.core.process_groups_config"),
+    ("gdn_init_check_linear_cp", _drop(GDN, "class GatedDeltaNet", "class Other"), "'GatedDeltaNet'"),
+    ("gdn_init_check_linear_cp", _drop(GDN, "def __init__", "def setup"), "'__init__'"),
+    ("gdn_init_check_linear_cp", _drop(GDN, "self.v_dim_local_tp =", "self.v_dim ="), "self.v_dim_local_tp"),
+    ("gdn_linear_cp_forward", _drop(GDN, "def forward", "def run"), "'forward'"),
+    ("gdn_prepare_qkv_headwise_cp_size", _drop(GDN, "def _prepare_qkv_for_gated_delta_rule", "def _prep"),
+     "'_prepare_qkv_for_gated_delta_rule'"),
+    ("gdn_local_cp_none_group", _drop(GDN, "def get_parameter_local_cp", "def get_local"), "'get_parameter_local_cp'"),
+    ("gdn_local_cp_none_group", _drop(_drop(GDN, "cp_group.size()", "4"), "cp_group.rank()", "0"),
+     "cp_size = cp_group.size()"),
+    ("fix_prepare_qkv_no_dynamo", _drop(GDN, "def _prepare_qkv_for_gated_delta_rule", "def _prep"),
+     "'_prepare_qkv_for_gated_delta_rule'"),
+    ("fix_local_cp_tuple_index", _drop(GDN, "def get_parameter_local_cp", "def get_local"), "'get_parameter_local_cp'"),
+    ("fix_local_cp_tuple_index", _drop(GDN, "return param[slices]", "return param"), "param[slices]"),
+])
+def test_missing_anchor_is_apply_error_naming_it(name, source, anchor):
+    with pytest.raises(ApplyError) as exc:
+        REGISTRY[name](source, "pkg/mod.py")
+    assert exc.value.exit_code == 6
+    assert anchor in exc.value.message
+    assert "pkg/mod.py" in exc.value.message
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_invalid_python_is_apply_error(name):
+    with pytest.raises(ApplyError, match="not valid Python") as exc:
+        REGISTRY[name]("def broken(:\n", "pkg/mod.py")
+    assert "pkg/mod.py" in exc.value.message
+
+
+@pytest.mark.parametrize("name", FIXES + ["gdn_local_cp_none_group", "gdn_prepare_qkv_headwise_cp_size"])
+def test_idempotent_transforms_report_already_present(name):
+    once = REGISTRY[name](GDN, "gated_delta_net.py")
+    twice = REGISTRY[name](once.text, "gated_delta_net.py")
+    assert (once.status, twice.status) == ("applied", "already-present")
+    assert twice.text == once.text
+
+
+@pytest.mark.parametrize("name, carried_old, carried_new, marker", [
+    ("fix_local_cp_tuple_index", "param[slices]", "param[tuple(slices)]", "tuple(slices)"),
+    ("fix_prepare_qkv_no_dynamo", "@jit_fuser\n", "@torch.compiler.disable\n", "disable"),
+    # a carried variant spelled differently from ours is still recognised
+    ("fix_prepare_qkv_no_dynamo", "@jit_fuser\n", "@torch._dynamo.disable\n", "disable"),
+])
+def test_a_fix_already_carried_is_not_duplicated(name, carried_old, carried_new, marker):
+    carried = GDN.replace(carried_old, carried_new)
+    result = REGISTRY[name](carried, "gated_delta_net.py")
+    assert result.status == "already-present"
+    assert result.text == carried
+    assert result.text.count(marker) == 1
+
+
+def test_transforms_are_deterministic():
+    for name in sorted(REGISTRY):
+        src = CONFIG if "config" in name else GDN
+        assert REGISTRY[name](src, "x.py") == REGISTRY[name](src, "x.py")
+
+
+UP = '"""Upstream."""\n\n\ndef keep():\n    return 1\n\n\ndef resolve(a):\n    return a or 2\n\n\nclass Helper:\n    x = 1\n'
+
+
+def test_transplant_appends_new_symbols_in_the_given_order():
+    out = transplant('"""Ours."""\n\nVALUE = 1\n', UP, ["Helper", "resolve"], "m.py", "abc")
+    assert out == '"""Ours."""\n\nVALUE = 1\n\n\nclass Helper:\n    x = 1\n\n\ndef resolve(a):\n    return a or 2\n'
+
+
+def test_transplant_replaces_an_existing_symbol_in_place():
+    ours = "def resolve(a):\n    return a\n\n\nTAIL = 1\n"
+    out = transplant(ours, UP, ["resolve"], "m.py", "abc")
+    assert out == "\n\ndef resolve(a):\n    return a or 2\n\n\nTAIL = 1\n"
+    cst.parse_module(out)
+
+
+def test_transplant_of_a_missing_symbol_is_apply_error():
+    with pytest.raises(ApplyError, match=r"m.py@abc: symbol 'absent' to transplant not found") as exc:
+        transplant("X = 1\n", UP, ["resolve", "absent"], "m.py", "abc")
+    assert exc.value.exit_code == 6
