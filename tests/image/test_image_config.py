@@ -1,0 +1,190 @@
+"""``linear_cp_mode`` in the patched TransformerConfig and gdn_context_parallel's rules.
+
+Head rule (design decision 3): headwise needs heads % (TP*CP) == 0; chunkwise and
+all_gather need heads % TP == 0; ``auto`` and unknown values fail with the valid modes in
+the message; a headwise geometry that does not split names chunkwise and all_gather.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+
+from _image_env import need_tree
+
+VALID = ("headwise", "chunkwise", "all_gather")
+
+
+def gdn_config(mode=None, tp=1, cp=1, k_heads=4, v_heads=8, **extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=1,
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+    )
+    if mode is not None:
+        kw["linear_cp_mode"] = mode
+    kw.update(extra)
+    return TransformerConfig(**kw)
+
+
+def test_suite_imports_megatron_from_the_patched_tree():
+    need_tree()
+    import megatron.core.ssm.gated_delta_net as gdn
+    import megatron.core.transformer.transformer_config as tc
+
+    from _image_env import GDN_TREE
+
+    for mod in (gdn, tc):
+        assert mod.__file__.startswith(str(GDN_TREE) + "/"), mod.__file__
+
+
+def test_default_mode_is_headwise():
+    need_tree()
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    assert TransformerConfig.__dataclass_fields__["linear_cp_mode"].default == "headwise"
+    assert gdn_config().linear_cp_mode == "headwise"
+
+
+def test_linear_cp_modes_constant_and_error_type():
+    need_tree()
+    from megatron.core.ssm.gdn_context_parallel import LINEAR_CP_MODES, LinearCPError
+
+    assert tuple(LINEAR_CP_MODES) == VALID
+    assert issubclass(LinearCPError, ValueError)
+
+
+@pytest.mark.parametrize("bad", ["auto", "AUTO", "Chunkwise", "ring", "", "head_wise"])
+def test_unknown_mode_rejected_with_valid_modes_listed(bad):
+    need_tree()
+    with pytest.raises(ValueError) as info:
+        gdn_config(mode=bad)
+    msg = str(info.value)
+    for m in VALID:
+        assert m in msg, (m, msg)
+
+
+# (k_heads, v_heads, tp, cp) grid; legality follows the head rule of each mode.
+GEOMS = [(k, v, tp, cp) for (k, v), tp, cp in itertools.product(
+    [(4, 8), (2, 6), (6, 6), (8, 16)], [1, 2], [1, 2, 4])]
+
+
+def _legal(mode, k, v, tp, cp):
+    split = tp * cp if mode == "headwise" else tp
+    return k % split == 0 and v % split == 0
+
+
+@pytest.mark.parametrize("mode", VALID)
+@pytest.mark.parametrize("k,v,tp,cp", GEOMS)
+def test_head_rule_per_mode(mode, k, v, tp, cp):
+    need_tree()
+    if _legal(mode, k, v, tp, cp):
+        cfg = gdn_config(mode=mode, tp=tp, cp=cp, k_heads=k, v_heads=v)
+        assert cfg.linear_cp_mode == mode
+        return
+    with pytest.raises(ValueError) as info:
+        gdn_config(mode=mode, tp=tp, cp=cp, k_heads=k, v_heads=v)
+    if mode == "headwise" and k % tp == 0 and v % tp == 0:
+        # only the CP split fails: the message must point at the two other modes
+        assert "chunkwise" in str(info.value) and "all_gather" in str(info.value)
+
+
+def test_headwise_illegal_geometry_names_chunkwise_and_all_gather():
+    need_tree()
+    with pytest.raises(ValueError) as info:
+        gdn_config(mode="headwise", cp=4, k_heads=2, v_heads=6)
+    assert "chunkwise" in str(info.value) and "all_gather" in str(info.value)
+    # ... and the same geometry is legal for the two other modes
+    for mode in ("chunkwise", "all_gather"):
+        assert gdn_config(mode=mode, cp=4, k_heads=2, v_heads=6).linear_cp_mode == mode
+
+
+@pytest.mark.parametrize("mode", VALID)
+def test_check_linear_cp_geometry(mode):
+    need_tree()
+    from megatron.core.ssm.gdn_context_parallel import LinearCPError, check_linear_cp_geometry
+
+    check_linear_cp_geometry(mode, 4, 8, 2, 2)
+    if mode == "headwise":
+        with pytest.raises(LinearCPError, match="chunkwise") as info:
+            check_linear_cp_geometry(mode, 2, 6, 1, 4)
+        assert "all_gather" in str(info.value)
+    else:
+        check_linear_cp_geometry(mode, 2, 6, 1, 4)
+    with pytest.raises(LinearCPError):
+        check_linear_cp_geometry(mode, 3, 6, 2, 1)  # heads % TP != 0 in every mode
+    with pytest.raises(LinearCPError):
+        check_linear_cp_geometry("auto", 4, 8, 1, 1)
+
+
+# ---------------------------------------------------------------- downstream fixes
+
+
+def test_prepare_qkv_is_excluded_from_dynamo_only():
+    """Fix (a): ``_prepare_qkv_for_gated_delta_rule`` carries torch.compiler.disable."""
+    need_tree()
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    fn = GatedDeltaNet._prepare_qkv_for_gated_delta_rule
+    assert getattr(fn, "_torchdynamo_disable", False) is True
+    for other in ("_compute_g_and_beta", "_apply_gated_norm"):
+        assert not getattr(getattr(GatedDeltaNet, other), "_torchdynamo_disable", False), other
+
+
+class _FakeGroup:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+class _RecordingParam:
+    """Stands in for a parameter; records the index object it is sliced with."""
+
+    def __init__(self, shape):
+        self.shape = shape
+        self.keys = []
+
+    def dim(self):
+        return len(self.shape)
+
+    def size(self, dim=None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def __getitem__(self, key):
+        self.keys.append(key)
+        return key
+
+
+def test_get_parameter_local_cp_indexes_with_a_tuple():
+    """Fix (b): ``param[tuple(slices)]``, never a list of slices."""
+    need_tree()
+    import torch
+
+    from megatron.core.ssm.gated_delta_net import get_parameter_local_cp
+
+    p = _RecordingParam((8, 3))
+    get_parameter_local_cp(p, dim=0, cp_group=_FakeGroup(2, 1))
+    assert p.keys and all(isinstance(k, tuple) for k in p.keys), p.keys
+    assert p.keys[0] == (slice(4, 8), slice(None))
+    t = torch.arange(24.0).reshape(8, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        part = get_parameter_local_cp(t, dim=0, cp_group=_FakeGroup(4, 2))
+    assert torch.equal(part, t[4:6])
