@@ -1,0 +1,224 @@
+"""Every fail-fast case of the contract raises ``LinearCPError`` before any collective.
+
+Each case runs in a real gloo world (CP = 2 or 4) with a *collective bomb* armed: every
+collective entry point of ``torch.distributed`` (and ``distributed_c10d``) is replaced by a
+function that records its name and raises ``CollectiveCalled``. A case passes only if the
+layer raises ``LinearCPError`` and the bomb recorded nothing. FLA is replaced by the CPU
+stand-ins (``fla_emulation``) so that a missing check would run on instead of crashing
+in a Triton kernel. Inputs: hidden ``[s_local, b, 128]`` float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+
+from _image_env import need_fla, need_tree
+
+COLLECTIVES = (
+    "all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor",
+    "_all_gather_base", "all_gather_object", "all_reduce", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "broadcast_object_list",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "gather", "scatter",
+    "new_group",
+)
+
+
+class CollectiveCalled(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def collective_bomb():
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    called = []
+
+    def make(name):
+        def bomb(*a, **k):
+            called.append(name)
+            raise CollectiveCalled(f"collective {name} ran before the check")
+
+        return bomb
+
+    with contextlib.ExitStack() as stack:
+        for name in COLLECTIVES:
+            for mod in (dist, c10d):
+                if hasattr(mod, name):
+                    stack.enter_context(mock.patch.object(mod, name, make(name)))
+        yield called
+
+
+_TP_GROUP = []  # this rank's size-1 tensor-parallel group, created once per worker
+
+
+def _build(mode, cp_group, *, cp, **extra):
+    import gdn_harness as H
+
+    geom = H.GEOMETRIES["gqa_dk32_dv64"]
+    cfg = H.make_config(geom, cp=cp, mode=mode, cpu_init=True, **extra)
+    m = H.build_gdn(cfg, H.make_pg(_TP_GROUP[0], cp_group))
+    H.set_weights(m)
+    return m, geom
+
+
+def _attempt(fn):
+    """Run ``fn`` with the bomb armed; report what was raised and which collectives ran."""
+    from megatron.core.ssm.gdn_context_parallel import LinearCPError
+
+    with collective_bomb() as called:
+        try:
+            fn()
+        except LinearCPError as exc:
+            return {"raised": "LinearCPError", "message": str(exc), "collectives": list(called)}
+        except Exception as exc:  # noqa: BLE001 - reported, asserted by the test
+            return {"raised": type(exc).__name__, "message": str(exc)[:400],
+                    "collectives": list(called)}
+    return {"raised": None, "message": "", "collectives": list(called)}
+
+
+def _failfast_worker(rank, world, _):
+    import torch
+    import torch.distributed as dist
+
+    import gdn_harness as H
+    from fla_emulation import emulated_fla_in_megatron
+
+    group = dist.group.WORLD
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    _TP_GROUP[:] = [singles[rank]]
+    out = {}
+    with emulated_fla_in_megatron():
+        hidden = H.GEOMETRIES["gqa_dk32_dv64"].hidden
+        x = torch.randn(16, 1, hidden)
+
+        # chunkwise + deterministic mode: at construction or at forward
+        def det():
+            m, _ = _build("chunkwise", group, cp=world, deterministic_mode=True)
+            m(x, None)
+
+        out["chunkwise_deterministic"] = _attempt(det)
+
+        # chunkwise + inference context
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        m_chunk, _ = _build("chunkwise", group, cp=world)
+        ctx = StaticInferenceContext(max_batch_size=1, max_sequence_length=64)
+        out["chunkwise_inference_context"] = _attempt(lambda: m_chunk(x, None, inference_context=ctx))
+
+        # chunkwise + SBHD batch > 1
+        xb = torch.randn(16, 2, hidden)
+        out["chunkwise_sbhd_batch2"] = _attempt(lambda: m_chunk(xb, None))
+
+        # sequence length not divisible by 2*CP (SBHD global length; THD per sequence)
+        x_odd = torch.randn(2 * world + 1, 1, hidden)  # global = world * (2*world+1)
+        u = 2 * world
+        bad_thd = H.Case("bad_thd", 4 * u, [0, u + world, 4 * u], [u + world, 3 * u - world])
+        x_thd = torch.randn(bad_thd.length // world, 1, hidden)
+        for mode in ("chunkwise", "all_gather"):
+            m, _ = _build(mode, group, cp=world)
+            out[f"{mode}_sbhd_len_not_div_2cp"] = _attempt(lambda m=m: m(x_odd, None))
+            psp = H.packed_seq_params(bad_thd, "cpu")
+            out[f"{mode}_thd_len_not_div_2cp"] = _attempt(
+                lambda m=m, psp=psp: m(x_thd, None, packed_seq_params=psp))
+
+        # dynamic CP: local_cp_size must equal cp_group.size(), in every mode
+        ok = H.CASES["thd_unequal"]
+        x_ok = torch.randn(ok.length // world, 1, hidden)
+        for mode in ("headwise", "chunkwise", "all_gather"):
+            m, _ = _build(mode, group, cp=world)
+            for wrong in (1, 2 * world):
+                psp = H.packed_seq_params(ok, "cpu", cp_group=group, local_cp_size=wrong)
+                out[f"{mode}_local_cp_size_{wrong}_vs_group_{world}"] = _attempt(
+                    lambda m=m, psp=psp: m(x_ok, None, packed_seq_params=psp))
+
+        # control: valid input in each mode does reach a collective, so the bomb can see one
+        for mode in ("headwise", "chunkwise", "all_gather"):
+            m, _ = _build(mode, group, cp=world)
+            psp = H.packed_seq_params(ok, "cpu")
+            out[f"control_{mode}"] = _attempt(lambda m=m, psp=psp: m(x_ok, None, packed_seq_params=psp))
+
+        # GatedDeltaNet.__init__ validates mode and geometry itself (config bypassed)
+        def init_with(mode_after, cp_cfg, k_heads=None):
+            import dataclasses
+
+            geom = H.GEOMETRIES["gqa_dk32_dv64"]
+            if k_heads:
+                geom = dataclasses.replace(geom, k_heads=k_heads[0], v_heads=k_heads[1])
+            cfg = H.make_config(geom, cp=cp_cfg, mode="chunkwise", cpu_init=True)
+            object.__setattr__(cfg, "linear_cp_mode", mode_after)
+            H.build_gdn(cfg, H.make_pg(_TP_GROUP[0], group))
+
+        out["init_auto_mode"] = _attempt(lambda: init_with("auto", world))
+        out["init_headwise_illegal_geometry"] = _attempt(
+            lambda: init_with("headwise", 1, k_heads=(2 * world - 1, 2 * (2 * world - 1))))
+    return out
+
+
+_cache = {}
+
+
+def results(world_fn, P):
+    if P not in _cache:
+        _cache[P] = world_fn(_failfast_worker, P, None)
+    return _cache[P]
+
+
+CASE_NAMES = [
+    "chunkwise_deterministic",
+    "chunkwise_inference_context",
+    "chunkwise_sbhd_batch2",
+    "chunkwise_sbhd_len_not_div_2cp",
+    "chunkwise_thd_len_not_div_2cp",
+    "all_gather_sbhd_len_not_div_2cp",
+    "all_gather_thd_len_not_div_2cp",
+    "init_auto_mode",
+    "init_headwise_illegal_geometry",
+]
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_fail_fast_raises_linear_cp_error_before_any_collective(gloo_world, P, case):
+    need_tree()
+    need_fla()
+    for rank, res in enumerate(results(gloo_world, P)):
+        r = res[case]
+        assert r["raised"] == "LinearCPError", (rank, r)
+        assert r["collectives"] == [], (rank, r)
+        assert r["message"].strip(), "the error must say what to change"
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("mode", ["headwise", "chunkwise", "all_gather"])
+def test_local_cp_size_mismatch_raises_before_any_collective(gloo_world, P, mode):
+    need_tree()
+    need_fla()
+    for rank, res in enumerate(results(gloo_world, P)):
+        for wrong in (1, 2 * P):
+            r = res[f"{mode}_local_cp_size_{wrong}_vs_group_{P}"]
+            assert r["raised"] == "LinearCPError", (rank, wrong, r)
+            assert r["collectives"] == [], (rank, wrong, r)
+
+
+@pytest.mark.parametrize("mode", ["headwise", "chunkwise", "all_gather"])
+def test_bomb_control_valid_input_reaches_a_collective(gloo_world, mode):
+    """The detector works: the same layer on valid input trips the bomb, not LinearCPError."""
+    need_tree()
+    need_fla()
+    for rank, res in enumerate(results(gloo_world, 2)):
+        r = res[f"control_{mode}"]
+        assert r["raised"] == "CollectiveCalled" and r["collectives"], (rank, r)
+
+
+def test_init_error_messages_name_the_modes(gloo_world):
+    need_tree()
+    need_fla()
+    res = results(gloo_world, 2)[0]
+    for m in ("headwise", "chunkwise", "all_gather"):
+        assert m in res["init_auto_mode"]["message"]
+    msg = res["init_headwise_illegal_geometry"]["message"]
+    assert "chunkwise" in msg and "all_gather" in msg
