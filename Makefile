@@ -28,7 +28,7 @@ check-patch: venv  ## Regenerate and compare with the files on disk.
 
 # ---- tests --------------------------------------------------------------------
 test: venv  ## Unit tests, integration test (real mirrors), CPU regression suite.
-	$(PY) -m pytest tests/unit tests/integration tests/image -q -rs
+	$(PY) -m pytest tests -q -rs
 
 test-unit: venv
 	$(PY) -m pytest tests/unit -q

@@ -350,11 +350,26 @@ def _link_or_copy(src: Path, dest: Path) -> None:
         shutil.copy2(src, dest)
 
 
-def stage_context(inputs: Inputs, flavour: Flavour, dest: Path) -> Path:
+def host_ca_bundle() -> Optional[Path]:
+    """The CA bundle pip on this host trusts, when one is configured.
+
+    Behind a TLS-inspecting proxy PyPI is reachable only with the proxy's CA; the
+    deps stage then uses this bundle (it never reaches the final image, which copies
+    only the venv). Order: GDN_BUILD_CA_BUNDLE, PIP_CERT, SSL_CERT_FILE, REQUESTS_CA_BUNDLE.
+    """
+    for var in ("GDN_BUILD_CA_BUNDLE", "PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"):
+        value = os.environ.get(var)
+        if value and Path(value).is_file():
+            return Path(value)
+    return None
+
+
+def stage_context(inputs: Inputs, flavour: Flavour, dest: Path, ca_bundle: Optional[Path] = None) -> Path:
     """Write the build context to ``dest`` (replaced); returns ``dest``.
 
     Layout (the Dockerfile's header lists it): Dockerfile, deps/ (locks, install
-    script, wheels/), tree/megatron/, tests/image/, patch/ (patch, manifest), bin/.
+    script, wheels/, optional ca-bundle.crt), tree/megatron/, tests/image/,
+    patch/ (patch, manifest), bin/.
     """
     if dest.exists():
         shutil.rmtree(dest)
@@ -364,6 +379,8 @@ def stage_context(inputs: Inputs, flavour: Flavour, dest: Path) -> Path:
     _copy(inputs.lock, dest / "deps" / "requirements.lock")
     _copy(inputs.torch_lock, dest / "deps" / "torch-cpu.lock")
     (dest / "deps" / "wheels").mkdir(parents=True)
+    if ca_bundle is not None:
+        _copy(ca_bundle, dest / "deps" / "ca-bundle.crt")
     if flavour.torch_from == "wheel":
         _link_or_copy(inputs.torch_wheel, dest / "deps" / "wheels" / inputs.torch_wheel.name)
     for sub, names in CONTEXT_SCRIPTS.items():
@@ -462,6 +479,7 @@ def _run_streamed(cmd: list[str], step: str, on_line: Line) -> None:
 
 _STEP = re.compile(r"^Step (\d+)/(\d+) : (.*)$")
 _MARKER = re.compile(r"^(?:==> |error: )\[([a-z0-9:-]+)\]")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _NO_SPACE = re.compile(r"no space left on device", re.I)
 _PULL = re.compile(r"pull access denied|manifest unknown|dial tcp|no such host|"
                    r"failed to resolve reference|error pulling image|"
@@ -509,7 +527,8 @@ class BuildTracker:
             self._line(f"ERROR: {self.error}")
 
     def _line(self, line: str) -> None:
-        if not line:
+        line = _ANSI.sub("", line)
+        if not line.strip():
             return
         m = _STEP.match(line)
         if m:

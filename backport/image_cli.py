@@ -97,7 +97,7 @@ def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_c
             f"base image {base} is not on this machine, and no registry can be reached from here "
             f"(the {fl.name} flavour's build cannot run on this machine)")
     ctx = Path(context_dir) if context_dir else img.REPO_ROOT / "build" / "image" / f"context-{fl.name}"
-    img.stage_context(inputs, fl, ctx)
+    img.stage_context(inputs, fl, ctx, img.host_ca_bundle())
     say(f"==> [context] staged {ctx}", "cyan")
     args = img.build_args(fl, pre, base)
     tags = img.image_tags(fl, pre)

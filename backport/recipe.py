@@ -103,13 +103,22 @@ class Recipe(_Strict):
 
     @field_validator("steps")
     @classmethod
-    def _unique_ids(cls, steps):
-        seen = set()
-        for step in steps:
-            if step.id in seen:
-                raise ValueError(f"duplicate step id {step.id!r}")
-            seen.add(step.id)
-        return steps
+    def _unique_step_ids(cls, steps):
+        return _unique(steps, "step")
+
+    @field_validator("excluded")
+    @classmethod
+    def _unique_exclusion_ids(cls, excluded):
+        return _unique(excluded, "exclusion")
+
+
+def _unique(items, what: str):
+    seen = set()
+    for item in items:
+        if item.id in seen:
+            raise ValueError(f"duplicate {what} id {item.id!r}")
+        seen.add(item.id)
+    return items
 
 
 def load_recipe(path: Path) -> tuple[Recipe, str]:

@@ -92,7 +92,7 @@ class Source:
             SourceError: path absent or blob missing from the mirror.
         """
         try:
-            return self.repo.git.show(f"{sha}:{path}", stdout_as_string=False)
+            return self.repo.git.show(f"{sha}:{path}", stdout_as_string=False, strip_newline_in_stdout=False)
         except git.GitCommandError as exc:
             raise SourceError(f"{self.name}: cannot read {path} at {sha[:12]}: {exc.stderr.strip()}") from exc
 
@@ -103,7 +103,8 @@ class Source:
             SourceError: the archive fails (for example a blob absent from a partial mirror).
         """
         try:
-            data = self.repo.git.archive("--format=tar", sha, path, stdout_as_string=False)
+            data = self.repo.git.archive("--format=tar", sha, path, stdout_as_string=False,
+                                        strip_newline_in_stdout=False)
         except git.GitCommandError as exc:
             raise SourceError(
                 f"{self.name}: `git archive {sha[:12]} {path}` failed: {exc.stderr.strip()[:400]}",

@@ -40,7 +40,8 @@ class UpstreamHunk:
 
 def diff_text(source: Source, commit: str, paths: tuple[str, ...] = ()) -> str:
     """``git show`` of ``commit`` as a plain unified diff (3 lines of context, no renames)."""
-    return source.repo.git.show("--format=", "-U3", "--no-renames", "--no-color", "--no-ext-diff", commit, "--", *paths)
+    return source.repo.git.show("--format=", "-U3", "--no-renames", "--no-color", "--no-ext-diff", commit, "--", *paths,
+                                strip_newline_in_stdout=False)
 
 
 def load_hunks(source: Source, commit: str) -> list[UpstreamHunk]:

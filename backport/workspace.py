@@ -42,6 +42,7 @@ class FileState:
     removed_by: dict[int, str] = field(default_factory=dict)
     exists_in_base: bool = True
     last_offset: int = 0
+    hunk_growth: int = 0
 
     @classmethod
     def from_base(cls, path: str, text: Optional[str]) -> "FileState":
@@ -87,7 +88,8 @@ class FileState:
         return True
 
     def apply_hunk(self, hunk: Hunk, origin: str) -> int:
-        """Apply one unified-diff hunk with zero fuzz; return its line offset.
+        """Apply one unified-diff hunk with zero fuzz; return its line offset (0 = in place,
+        counted like GNU patch: against the header line plus the growth of earlier hunks).
 
         Like GNU patch, the search starts where the previous hunk of this file landed
         (its offset carried forward), and the exact match nearest to that guess wins.
@@ -113,8 +115,10 @@ class FileState:
             )
         start = min(matches, key=lambda i: (abs(i - expected), i))
         self._apply_at(start, hunk, origin)
+        offset = start - (header_pos + self.hunk_growth)
+        self.hunk_growth += len(target) - len(source)
         self.last_offset = start - header_pos + len(target) - len(source)
-        return start - header_pos
+        return offset
 
     def _apply_at(self, start: int, hunk: Hunk, origin: str) -> None:
         pos = start

@@ -114,7 +114,6 @@ class _RuleRewriter(cst.CSTTransformer):
         while end < len(body) and m.matches(body[end], m.SimpleStatementLine(body=[m.Assert()])) and m.findall(body[end], m.Name("tp_cp_size")):
             end += 1
         new = statements(LINEAR_CP_RULE)
-        new[0] = _blank_line_before(new[0])
         body[idx:end] = new
         self.done = True
         return updated.with_changes(body=body)
@@ -197,7 +196,8 @@ def gdn_prepare_qkv_headwise_cp_size(text: str, path: str = "gated_delta_net.py"
     params = list(fn.params.params)
     if any(p.name.value == "cp_size_headwise" for p in params):
         return Result(text, "already-present")
-    params.append(cst.Param(name=cst.Name("cp_size_headwise")))
+    params.append(cst.Param(name=cst.Name("cp_size_headwise"), default=cst.Integer("1"),
+                            equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))))
     new_fn = fn.with_changes(params=fn.params.with_changes(params=params))
     new_fn = new_fn.visit(_SelfAttrToName("cp_size", "cp_size_headwise"))
     return Result(replace_node(module, fn, new_fn, path).code)

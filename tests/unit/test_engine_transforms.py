@@ -38,7 +38,7 @@ def test_registering_a_name_twice_is_refused():
      "cp_size = cp_group.size() if cp_group is not None else 1\n    cp_rank = cp_group.rank() if cp_group is not None else 0"),
     ("gdn_prepare_qkv_headwise_cp_size",
      "def _prepare_qkv_for_gated_delta_rule(self, qkv, batch):\n        heads = qkv // self.cp_size",
-     "def _prepare_qkv_for_gated_delta_rule(self, qkv, batch, cp_size_headwise):\n        heads = qkv // cp_size_headwise"),
+     "def _prepare_qkv_for_gated_delta_rule(self, qkv, batch, cp_size_headwise=1):\n        heads = qkv // cp_size_headwise"),
 ])
 def test_small_transforms_change_exactly_their_anchor(name, old, new):
     assert GDN.count(old) == 1
