@@ -1,0 +1,433 @@
+#!/usr/bin/env python3
+"""Benchmark the patched MCore ``GatedDeltaNet`` layer under context parallelism.
+
+Run with torchrun on a multi-GPU host (see ``tools/bench-gdn``)::
+
+    torchrun --nproc_per_node 4 bench/gdn_layer.py --out results.json
+
+For every CP size P (default 2 and 4; the world is split into world/P CP groups that run
+concurrently, TP=1), every global sequence length T and every mode in
+headwise/all_gather/chunkwise, one layer runs forward+backward in bf16 on its rank's
+zigzag shard ``[T/P, 1, hidden]`` (SBHD, batch 1). "ideal" is the CP=1 layer on T/P
+tokens with no communication. Per configuration: warm-ups, then repeats timed with CUDA
+events around fwd+bwd (ranks aligned by a barrier before each repeat); the per-repeat
+time is the max over ranks. Peak allocated/reserved memory (max over ranks) is measured
+over the timed repeats after ``reset_peak_memory_stats``.
+
+Cost note (measured on 4x H200, FLA 0.4.2): the first configuration of a process pays
+~3 min of Triton compilation, and every new (mode, T) then pays ~50 s, because FLA's
+``causal_conv1d`` and ``l2norm`` kernels autotune on ``NB`` (number of blocks, i.e. on
+the sequence length). Budget ~1 min per configuration, or split the sweep over calls.
+
+``--cpu-smoke`` runs a tiny geometry on CPU with gloo and the FLA CPU stand-ins of
+``tests/image/fla_emulation.py`` (plumbing check only; timings meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = ("headwise", "all_gather", "chunkwise")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tree", default=os.environ.get("GDN_TREE", os.path.join(ROOT, "build/tree/patched")))
+    p.add_argument("--out", default=os.path.join(ROOT, "results/bench/gdn_layer.json"))
+    p.add_argument("--cp", default="2,4", help="comma-separated CP sizes")
+    p.add_argument("--seq", default="8192,16384,32768,65536", help="global sequence lengths")
+    p.add_argument("--modes", default="headwise,all_gather,chunkwise,ideal")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--key-heads", type=int, default=16)
+    p.add_argument("--value-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--conv-kernel", type=int, default=4)
+    p.add_argument("--budget-s", type=float, default=1e9,
+                   help="stop starting new configurations after this many seconds")
+    p.add_argument("--profile", default="", help="write a torch.profiler breakdown of one chunkwise "
+                   "step at P=max(cp), T=this global length (e.g. 32768) to <out>.profile.json")
+    p.add_argument("--cpu-smoke", action="store_true")
+    return p.parse_args(argv)
+
+
+def log(rank, *a):
+    if rank == 0:
+        print(*a, flush=True)
+
+
+_NORM = None
+
+
+def make_norm_class(torch):
+    """One module-level torch RMSNorm class (TE is absent); one type keeps Dynamo's guards stable."""
+    global _NORM
+    if _NORM is None:
+        class TorchRMSNorm(torch.nn.Module):
+            def __init__(self, config=None, hidden_size=None, eps=1e-6):
+                super().__init__()
+                self.norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+
+            def forward(self, x):
+                return self.norm(x)
+        _NORM = TorchRMSNorm
+    return _NORM
+
+
+def build_layer(args, mode, cp_size, pg_collection, torch, dtype):
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    Norm = make_norm_class(torch)
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=args.key_heads,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=1,
+        linear_conv_kernel_dim=args.conv_kernel,
+        linear_key_head_dim=args.head_dim,
+        linear_value_head_dim=args.head_dim,
+        linear_num_key_heads=args.key_heads,
+        linear_num_value_heads=args.value_heads,
+        linear_cp_mode=mode,
+        context_parallel_size=cp_size,
+        tensor_model_parallel_size=1,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=args.cpu_smoke,
+        layernorm_epsilon=1e-6,
+        perform_initialization=not args.cpu_smoke,
+        activation_func=torch.nn.functional.silu,
+    )
+    sub = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=Norm, out_proj=RowParallelLinear)
+    layer = GatedDeltaNet(config, sub, layer_number=1, pg_collection=pg_collection)
+    layer = layer.to(device=dev(torch, args), dtype=dtype)
+    if args.cpu_smoke:  # no CUDA RNG tracker on CPU: initialise by hand
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+            layer.A_log.fill_(0.5)
+            layer.dt_bias.fill_(1.0)
+    return layer
+
+
+def dev(torch, args):
+    return torch.device("cpu") if args.cpu_smoke else torch.device("cuda", torch.cuda.current_device())
+
+
+def init_mpu(cp_size, args):
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=cp_size)
+    if not args.cpu_smoke:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+    return ProcessGroupCollection(tp=ps.get_tensor_model_parallel_group(), cp=ps.get_context_parallel_group())
+
+
+class Timer:
+    def __init__(self, torch, cpu):
+        self.torch, self.cpu = torch, cpu
+
+    def __enter__(self):
+        if self.cpu:
+            self.t0 = time.perf_counter()
+        else:
+            self.e0 = self.torch.cuda.Event(enable_timing=True)
+            self.e1 = self.torch.cuda.Event(enable_timing=True)
+            self.e0.record()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cpu:
+            self.ms = (time.perf_counter() - self.t0) * 1e3
+        else:
+            self.e1.record()
+            self.e1.synchronize()
+            self.ms = self.e0.elapsed_time(self.e1)
+
+
+def run_config(args, torch, dist, layer, local_len, repeats, warmup, dtype):
+    d = dev(torch, args)
+    x = torch.randn(local_len, 1, args.hidden, device=d, dtype=dtype, requires_grad=True)
+    gy = torch.randn(local_len, 1, args.hidden, device=d, dtype=dtype)
+
+    def step():
+        out, _ = layer(x, None)
+        out.backward(gy)
+
+    for _ in range(warmup):
+        step()
+    if not args.cpu_smoke:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    base_alloc = torch.cuda.memory_allocated() if not args.cpu_smoke else 0
+    times = []
+    for _ in range(repeats):
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        dist.barrier()
+        with Timer(torch, args.cpu_smoke) as t:
+            step()
+        times.append(t.ms)
+    if args.cpu_smoke:
+        mem = [0.0, 0.0, 0.0]
+    else:
+        mem = [torch.cuda.max_memory_allocated() / 2**20, torch.cuda.max_memory_reserved() / 2**20,
+               base_alloc / 2**20]
+    # max over ranks, per repeat and for memory
+    tt = torch.tensor(times + mem, dtype=torch.float64, device=d if not args.cpu_smoke else "cpu")
+    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+    vals = tt.tolist()
+    times, mem = vals[:repeats], vals[repeats:]
+    del x, gy
+    return times, mem
+
+
+def summarize(times, mem, tokens):
+    s = sorted(times)
+    med = statistics.median(s)
+    p90 = s[min(len(s) - 1, int(math.ceil(0.9 * len(s))) - 1)]
+    return {
+        "median_ms": round(med, 4), "min_ms": round(s[0], 4), "p90_ms": round(p90, 4),
+        "tokens_per_s": round(tokens / (med / 1e3), 1),
+        "peak_alloc_mib": round(mem[0], 1), "peak_reserved_mib": round(mem[1], 1),
+        "steady_alloc_mib": round(mem[2], 1), "times_ms": [round(t, 4) for t in times],
+    }
+
+
+def profile_chunkwise(args, torch, dist, pg, cp_size, T, dtype, rank):
+    """One chunkwise step under torch.profiler; device time grouped by stage."""
+    import megatron.core.ssm.gated_delta_net as gdn
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    layer = build_layer(args, "chunkwise", cp_size, pg, torch, dtype)
+    wrapped = {}
+    for name in ("zigzag_to_contiguous_chunks", "contiguous_to_zigzag_chunks", "build_cp_context",
+                 "causal_conv1d", "l2norm"):
+        fn = getattr(gdn, name)
+
+        def mk(fn, name):
+            def w(*a, **k):
+                with record_function(f"gdn::{name}"):
+                    return fn(*a, **k)
+            return w
+        wrapped[name] = fn
+        setattr(gdn, name, mk(fn, name))
+    rule = layer.gated_delta_rule
+
+    def rule_w(*a, **k):
+        with record_function("gdn::chunk_gated_delta_rule"):
+            return rule(*a, **k)
+    layer.gated_delta_rule = rule_w
+    local = T // cp_size
+    d = dev(torch, args)
+    x = torch.randn(local, 1, args.hidden, device=d, dtype=dtype, requires_grad=True)
+    gy = torch.randn(local, 1, args.hidden, device=d, dtype=dtype)
+    for _ in range(3):
+        out, _ = layer(x, None)
+        out.backward(gy)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("gdn::forward"):
+            out, _ = layer(x, None)
+        torch.cuda.synchronize()
+        with record_function("gdn::backward"):
+            out.backward(gy)
+        torch.cuda.synchronize()
+    for name, fn in wrapped.items():
+        setattr(gdn, name, fn)
+    ev = prof.key_averages()
+    ranges, kernels = {}, []
+    for e in ev:
+        dt = getattr(e, "device_time_total", None)
+        if dt is None:
+            dt = getattr(e, "cuda_time_total", 0)
+        if e.key.startswith("gdn::"):
+            ranges[e.key] = {"device_ms": round(dt / 1e3, 4), "cpu_ms": round(e.cpu_time_total / 1e3, 4),
+                             "calls": e.count}
+        elif getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type) or (
+                e.cpu_time_total == 0 and dt > 0):
+            kernels.append((e.key, dt / 1e3, e.count))
+    # kernel-name categories over fwd+bwd
+    cats = {}
+
+    def cat(k):
+        kl = k.lower()
+        if "nccl" in kl or "alltoall" in kl or "all_to_all" in kl or "sendrecv" in kl or "allgather" in kl:
+            return "nccl (all-to-all / cp collectives)"
+        if "conv" in kl:
+            return "causal_conv1d"
+        if "gemm" in kl or "cutlass" in kl or "nvjet" in kl or "sm90" in kl or "xmma" in kl:
+            return "gemm (in_proj/out_proj)"
+        if any(s in kl for s in ("chunk", "fwd_h", "bwd_dh", "bwd_dv", "dqkwg", "wy", "recompute",
+                                 "solve_tril", "cumsum", "kkt", "fwd_o", "bwd_o", "merge", "pre_process",
+                                 "state", "cp")):
+            return "gated delta rule scan (+cp state passing)"
+        if "l2norm" in kl or "norm" in kl:
+            return "norms"
+        return "other (elementwise/copies)"
+    for k, ms, n in kernels:
+        c = cat(k)
+        cats[c] = round(cats.get(c, 0.0) + ms, 4)
+    top = sorted(kernels, key=lambda r: -r[1])[:25]
+    res = {"rank": rank, "cp": cp_size, "T": T, "ranges": ranges, "kernel_categories_ms": cats,
+           "top_kernels": [{"name": k[:120], "ms": round(ms, 4), "calls": n} for k, ms, n in top],
+           "total_kernel_ms": round(sum(r[1] for r in kernels), 4)}
+    del layer
+    return res
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sys.path.insert(0, args.tree)
+    import torch
+    import torch.distributed as dist
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = 64  # @jit_fuser norm sees every shape of the sweep
+    if args.cpu_smoke:
+        sys.path.insert(0, os.path.join(ROOT, "tests/image"))
+        from _world import install_cpu_device_shim
+
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        install_cpu_device_shim()
+        dist.init_process_group("gloo")
+        dtype = torch.float32
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        dtype = torch.bfloat16
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ctx = None
+    if args.cpu_smoke:
+        import fla_emulation
+
+        ctx = fla_emulation.emulated_fla_in_megatron()
+        ctx.__enter__()
+
+    cps = [int(c) for c in args.cp.split(",") if c]
+    seqs = [int(s) for s in args.seq.split(",") if s]
+    modes = [m for m in args.modes.split(",") if m]
+    t_start = time.time()
+    result = {
+        "meta": {
+            "layer": "megatron.core.ssm.gated_delta_net.GatedDeltaNet (patched tree)",
+            "tree": os.path.relpath(args.tree, ROOT) if args.tree.startswith(ROOT) else args.tree,
+            "world_size": world, "dtype": str(dtype), "layout": "SBHD, batch 1, zigzag shard per rank",
+            "geometry": {"hidden": args.hidden, "key_heads": args.key_heads, "value_heads": args.value_heads,
+                         "head_dim": args.head_dim, "conv_kernel": args.conv_kernel, "tp": 1},
+            "warmup": args.warmup, "repeats": args.repeats,
+            "method": "CUDA events around forward+backward, barrier before each repeat, per-repeat max "
+                      "over ranks; memory = max over ranks of torch.cuda.max_memory_allocated/"
+                      "max_memory_reserved over the timed repeats (after empty_cache + reset). "
+                      "World split into world/P concurrent CP groups. ideal = CP=1 layer on T/P tokens.",
+            "torch": torch.__version__, "cpu_smoke": args.cpu_smoke,
+            "host": platform.node(),
+            "gpu": (torch.cuda.get_device_name() if not args.cpu_smoke else "cpu"),
+        },
+        "runs": [], "skipped": [], "errors": [],
+    }
+    try:
+        import fla
+        result["meta"]["fla"] = getattr(fla, "__version__", "?")
+        import triton
+        result["meta"]["triton"] = triton.__version__
+    except Exception:
+        pass
+
+    def dump():
+        if rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    for P in cps:
+        if world % P:
+            result["skipped"].append({"cp": P, "why": f"world {world} not divisible by P"})
+            continue
+        pg_cp = init_mpu(P, args)
+        pg_1 = None
+        for mode in modes:
+            for T in seqs:
+                if time.time() - t_start > args.budget_s:
+                    result["skipped"].append({"cp": P, "mode": mode, "T": T, "why": "time budget"})
+                    dump()
+                    continue
+                if mode == "ideal":
+                    if pg_1 is None:
+                        pg_1 = init_mpu(1, args)
+                    pg, layer_mode, layer_cp = pg_1, "headwise", 1
+                else:
+                    if pg_1 is not None:  # ideal ran before: restore the CP groups
+                        pg_cp, pg_1 = init_mpu(P, args), None
+                    pg, layer_mode, layer_cp = pg_cp, mode, P
+                t0 = time.time()
+                try:
+                    layer = build_layer(args, layer_mode, layer_cp, pg, torch, dtype)
+                    times, mem = run_config(args, torch, dist, layer, T // P, args.repeats, args.warmup, dtype)
+                    rec = {"cp": P, "mode": mode, "T": T, "local_tokens": T // P}
+                    rec.update(summarize(times, mem, T))
+                    result["runs"].append(rec)
+                    log(rank, f"P={P} {mode:10s} T={T:6d}: median {rec['median_ms']:.3f} ms "
+                              f"min {rec['min_ms']:.3f} p90 {rec['p90_ms']:.3f} "
+                              f"alloc {rec['peak_alloc_mib']:.0f} MiB res {rec['peak_reserved_mib']:.0f} MiB "
+                              f"({time.time() - t0:.1f}s)")
+                except Exception as e:  # record and continue (e.g. OOM)
+                    msg = f"{type(e).__name__}: {e}"
+                    result["errors"].append({"cp": P, "mode": mode, "T": T, "error": msg[:2000]})
+                    log(rank, f"P={P} {mode} T={T}: ERROR {msg[:300]}")
+                    if rank == 0:
+                        traceback.print_exc()
+                finally:
+                    layer = None
+                    if not args.cpu_smoke:
+                        torch.cuda.empty_cache()
+                dump()
+    if args.profile and not args.cpu_smoke and time.time() - t_start > args.budget_s:
+        result["skipped"].append({"profile": args.profile, "why": "time budget"})
+    elif args.profile and not args.cpu_smoke:
+        try:
+            P = max(cps)
+            T = int(args.profile)
+            pg = init_mpu(P, args)
+            prof = profile_chunkwise(args, torch, dist, pg, P, T, dtype, rank)
+            allp = [None] * world
+            dist.all_gather_object(allp, prof)
+            result["profile_chunkwise"] = allp
+        except Exception as e:
+            result["errors"].append({"profile": f"{type(e).__name__}: {e}"[:2000]})
+            if rank == 0:
+                traceback.print_exc()
+    result["meta"]["elapsed_s"] = round(time.time() - t_start, 1)
+    dump()
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
