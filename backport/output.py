@@ -65,6 +65,7 @@ def write(build, root: Path, trees: bool = True) -> list[Path]:
     the trees are built beside their targets and swapped in with a rename.
     """
     files = rendered(build)
+    root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".gdn-stage-", dir=root))
     try:
         for rel, data in files.items():
