@@ -80,9 +80,12 @@ def causal_conv1d(
     assert residual is None and initial_state is None and not output_final_state
     if cp_context is None:
         return ref.causal_conv1d_ref(x, weight, bias, activation, cu_seqlens), None
-    full = _GatherContiguous.apply(x, cp_context.group)
-    y = ref.causal_conv1d_ref(full, weight, bias, activation, cp_context.cu_seqlens)
-    return y[:, _span(cp_context, x.shape[1])], None
+    # gather in float32 so that the cross-rank gradient sum rounds once, like a real kernel
+    full = _GatherContiguous.apply(x.float(), cp_context.group)
+    w = weight.float()
+    b = bias.float() if bias is not None else None
+    y = ref.causal_conv1d_ref(full, w, b, activation, cp_context.cu_seqlens)
+    return y[:, _span(cp_context, x.shape[1])].to(x.dtype), None
 
 
 def chunk_gated_delta_rule(
@@ -106,9 +109,9 @@ def chunk_gated_delta_rule(
         o, _ = ref.gdn_chunked(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens)
         return o, None
     local = q.shape[1]
-    full = [_GatherContiguous.apply(t, cp_context.group) for t in (q, k, v, g, beta)]
+    full = [_GatherContiguous.apply(t.float(), cp_context.group) for t in (q, k, v, g, beta)]
     o, _ = ref.gdn_chunked(*full, scale=scale, cu_seqlens=cp_context.cu_seqlens)
-    return o[:, _span(cp_context, local)], None
+    return o[:, _span(cp_context, local)].to(v.dtype), None
 
 
 def l2norm(x, eps=1e-6, **kwargs):

@@ -91,6 +91,7 @@ def run_matrix(
     select: Optional[Callable[[str], bool]] = None,
     log: Callable[[str], None] = lambda s: None,
     patched: bool = True,
+    records: Optional[List[dict]] = None,
 ) -> List[dict]:
     device = torch.device(device)
     select = select or (lambda rid: True)
@@ -101,7 +102,7 @@ def run_matrix(
         stack.enter_context(emulated_fla_in_megatron())
     groups = Groups(world)
     cpu_init = device.type == "cpu"
-    records: List[dict] = []
+    records = [] if records is None else records
     refs = {}
 
     def build(geom, cp, mode, cp_group, via_spec=False, **extra):

@@ -1,0 +1,197 @@
+"""GPU suite entry point, one job per invocation (see ``tools/gpu-suite``).
+
+    torchrun --standalone --nproc-per-node 4 tests/image/gpu/entry.py kernels --out K.json
+    torchrun --standalone --nproc-per-node 4 tests/image/gpu/entry.py module  --out M.json
+    torchrun ... entry.py oldnew-dump --label new --dump-dir D --out N.json   # per tree
+    python tests/image/gpu/entry.py oldnew-compare --dump-dir D --out O.json
+
+Megatron comes from the tree first on ``PYTHONPATH`` (the job records which). NCCL, one
+process per GPU. Each rank appends its records to ``<out>.rank<r>.jsonl`` as they are
+made, so a job that dies still leaves what it finished; rank 0 writes the whole job's JSON
+at the end: ``{"job", "tree", "fla", "torch", "autotune", "elapsed_s", "records": [...]}``.
+``--emulate`` runs the same job on CPU/gloo with FLA replaced (a dry run of the harness).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+
+class Journal(list):
+    """A list of records that also appends each record to a JSONL file."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def _write(self, recs):
+        with open(self.path, "a") as f:
+            for r in recs:
+                f.write(json.dumps(r, default=str) + "\n")
+
+    def append(self, r):
+        super().append(r)
+        self._write([r])
+
+    def extend(self, rs):
+        rs = list(rs)
+        super().extend(rs)
+        self._write(rs)
+
+
+def _env_info():
+    import torch
+
+    info = {"torch": torch.__version__}
+    try:
+        import fla
+
+        info["fla"] = fla.__version__
+        info["fla_file"] = fla.__file__
+    except Exception as exc:  # noqa: BLE001
+        info["fla"] = f"unavailable: {exc!r}"
+    try:
+        import megatron.core.ssm.gated_delta_net as gdn
+
+        info["tree"] = str(Path(gdn.__file__).resolve().parents[3])
+    except Exception as exc:  # noqa: BLE001
+        info["tree"] = f"unavailable: {exc!r}"
+    return info
+
+
+def _init(emulate):
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if emulate:
+        from _world import install_cpu_device_shim
+
+        install_cpu_device_shim()
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        return rank, world, torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device,
+                            timeout=datetime.timedelta(seconds=240))
+    return rank, world, device
+
+
+def _emulated_kernels():
+    from types import SimpleNamespace
+
+    import fla_emulation as E
+
+    return SimpleNamespace(build_cp_context=E.build_cp_context, causal_conv1d=E.causal_conv1d,
+                           chunk_gated_delta_rule=E.chunk_gated_delta_rule)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="GDN CP GPU suite job")
+    ap.add_argument("job", choices=["kernels", "module", "oldnew-dump", "oldnew-compare"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--select", default=None, help="regex on record ids")
+    ap.add_argument("--label", choices=["old", "new"])
+    ap.add_argument("--dump-dir")
+    ap.add_argument("--emulate", action="store_true")
+    ap.add_argument("--no-warmup", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+
+    if args.job == "oldnew-compare":
+        import torch
+
+        import oldnew
+
+        d = Path(args.dump_dir)
+        old = [torch.load(d / f"old-rank{r}.pt", weights_only=False) for r in range(4)]
+        new = [torch.load(d / f"new-rank{r}.pt", weights_only=False) for r in range(4)]
+        meta = {lab: json.loads((d / f"{lab}-meta.json").read_text()) for lab in ("old", "new")}
+        records = oldnew.compare(old, new)
+        Path(args.out).write_text(json.dumps(
+            {"job": "oldnew-compare", "trees": meta, "elapsed_s": time.time() - t0,
+             "records": records}, indent=1, default=str))
+        return 0
+
+    import torch
+    import torch.distributed as dist
+
+    from autotune_policy import install
+
+    policy = "n/a (emulated)" if args.emulate else install()
+    rank, world, device = _init(args.emulate)
+    info = _env_info()
+    select = (lambda rid: re.search(args.select, rid) is not None) if args.select else None
+    log = lambda s: print(f"{time.time() - t0:7.1f}s {s}", flush=True)  # noqa: E731
+    journal_path = f"{args.out}.rank{rank}.jsonl"
+    if os.path.exists(journal_path):
+        os.remove(journal_path)
+    records = Journal(journal_path)
+    phases = {}
+
+    if args.job == "kernels":
+        import kernel_matrix
+
+        kernels = _emulated_kernels() if args.emulate else None
+        if not args.emulate and not args.no_warmup:
+            import warmup
+
+            warmup.run(warmup.KERNEL_ITEMS, rank, world, device, log)
+            dist.barrier()
+            phases["warmup_s"] = time.time() - t0
+        quiet = lambda s: None  # noqa: E731
+        records.extend(kernel_matrix.run_kernels(rank, world, device, kernels=kernels,
+                                                 select=select, log=log if rank == 0 else quiet))
+    elif args.job == "module":
+        import module_matrix
+
+        if not args.emulate and not args.no_warmup:
+            import warmup
+
+            warmup.run(warmup.MODULE_ITEMS, rank, world, device, log)
+            dist.barrier()
+            phases["warmup_s"] = time.time() - t0
+        module_matrix.run_matrix(rank, world, device, emulate=args.emulate, select=select,
+                                 log=log if rank == 0 else (lambda s: None), records=records)
+    elif args.job == "oldnew-dump":
+        import oldnew
+
+        res = oldnew.dump(rank, world, device, patched=args.label == "new", emulate=args.emulate)
+        d = Path(args.dump_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save(res, d / f"{args.label}-rank{rank}.pt")
+        if rank == 0:
+            (d / f"{args.label}-meta.json").write_text(json.dumps({**info, "autotune": policy}))
+        records.append({"id": f"oldnew-dump/{args.label}", "kind": "dump", "rank": rank,
+                        "passed": True, "entries": sorted(res)})
+
+    gathered = [None] * world
+    dist.all_gather_object(gathered, list(records))
+    if rank == 0:
+        flat = [r for part in gathered for r in part]
+        Path(args.out).write_text(json.dumps(
+            {"job": args.job, **info, "autotune": policy, "world": world,
+             "elapsed_s": time.time() - t0, "phases": phases, "records": flat},
+            indent=1, default=str))
+        bad = sum(not r["passed"] for r in flat)
+        log(f"{args.job}: {len(flat)} records, {bad} failed")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Spread Triton compilation over the ranks before a job's matrix runs.
+
+Every rank of a job would otherwise compile the same FLA kernels at the same moment. Here
+rank ``r`` runs items ``r, r + world, ...`` of a list (one forward + backward of FLA's
+``chunk_gated_delta_rule`` / ``causal_conv1d`` / ``l2norm`` without CP, at the head counts,
+head dims, dtypes and varlen-ness the job will use), filling Triton's on-disk kernel and
+autotune caches that the other ranks then read. Nothing here is compared.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+# ("gdn", dtype, heads, dk, dv, varlen) | ("conv", dtype, channels, varlen) | ("l2", dtype, d)
+KERNEL_ITEMS = [("gdn", BF16, 8, 32, 64, True), ("conv", F32, 256, True)]
+MODULE_ITEMS = (
+    [("gdn", F32, h, 32, 64, v) for h in (8, 4, 2) for v in (True, False)]
+    + [("gdn", F32, h, 64, 64, v) for h in (6, 3) for v in (True, False)]
+    + [("conv", F32, d, v) for d in (768, 384, 192, 640, 320) for v in (True, False)]
+    + [("l2", F32, 32), ("l2", F32, 64)]
+)
+
+
+def _one(item, device):
+    from fla.modules.convolution import causal_conv1d
+    from fla.modules.l2norm import l2norm
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    T = 256
+    cu = torch.tensor([0, 100, T], device=device, dtype=torch.long)
+    kind, dtype = item[0], item[1]
+    if kind == "gdn":
+        _, _, h, dk, dv, varlen = item
+        q = torch.randn(1, T, h, dk, device=device, dtype=dtype, requires_grad=True)
+        k = F.normalize(torch.randn(1, T, h, dk, device=device), dim=-1).to(dtype).requires_grad_()
+        v = torch.randn(1, T, h, dv, device=device, dtype=dtype, requires_grad=True)
+        g = F.logsigmoid(torch.randn(1, T, h, device=device)).requires_grad_()
+        b = torch.rand(1, T, h, device=device, dtype=dtype).requires_grad_()
+        o, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=b, cu_seqlens=cu if varlen else None)
+        o.float().sum().backward()
+    elif kind == "conv":
+        _, _, d, varlen = item
+        x = torch.randn(1, T, d, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(d, 4, device=device, dtype=dtype, requires_grad=True)
+        y, _ = causal_conv1d(x=x, weight=w, bias=None, activation="silu",
+                             cu_seqlens=cu if varlen else None)
+        y.float().sum().backward()
+    else:
+        _, _, d = item
+        x = torch.randn(1, T, 4, d, device=device, dtype=dtype, requires_grad=True)
+        l2norm(x).float().sum().backward()
+
+
+def run(items, rank, world, device, log):
+    t = time.time()
+    for i, item in enumerate(items):
+        if i % world == rank:
+            _one(item, device)
+    torch.cuda.synchronize(device)
+    log(f"[rank {rank}] warm-up of {len(items[rank::world])} items took {time.time() - t:.1f}s")
