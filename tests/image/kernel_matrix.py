@@ -89,22 +89,33 @@ def _leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
-def _run_conv(K, d, span, cu, ctx):
+def _conv_fwd(K, d, span, cu, ctx):
     x = _leaf(d["x"][:, span])
     w, b = _leaf(d["w"]), _leaf(d["b"])
     kw = {"cp_context": ctx} if ctx is not None else {"cu_seqlens": cu}
     y, _ = K.causal_conv1d(x=x, weight=w, bias=b, activation="silu", **kw)
-    (y.float() * d["G"][:, span].float()).sum().backward()
-    return {"out": y.detach(), "dx": x.grad, "dw": w.grad, "db": b.grad}
+
+    def bwd():
+        (y.float() * d["G"][:, span].float()).sum().backward()
+        return {"out": y.detach(), "dx": x.grad, "dw": w.grad, "db": b.grad}
+
+    return bwd
 
 
-def _run_gdn(K, d, span, cu, ctx):
+def _gdn_fwd(K, d, span, cu, ctx):
     leaves = {n: _leaf(d[n][:, span]) for n in ("q", "k", "v", "g", "beta")}
     kw = {"cp_context": ctx} if ctx is not None else {"cu_seqlens": cu}
     o, _ = K.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], g=leaves["g"],
                                     beta=leaves["beta"], **kw)
-    (o.float() * d["G"][:, span].float()).sum().backward()
-    return {"out": o.detach(), **{f"d{n}": t.grad for n, t in leaves.items()}}
+
+    def bwd():
+        (o.float() * d["G"][:, span].float()).sum().backward()
+        return {"out": o.detach(), **{f"d{n}": t.grad for n, t in leaves.items()}}
+
+    return bwd
+
+
+FWD = {"conv": _conv_fwd, "gdn": _gdn_fwd}
 
 
 def _agree(ok: bool, device) -> bool:
@@ -124,11 +135,14 @@ def run_kernels(rank: int, world: int, device, *, kernels=None,
     records: List[dict] = []
     for ci, (cname, (cu_list, sizes, gating)) in enumerate(CASES.items()):
         T = cu_list[-1]
+        ids = [f"kernel/{op}/{cname}/cp{P}" for P in sizes for op in ("conv", "gdn")]
+        if not any(select(i) for i in ids):
+            continue
         conv_d, gdn_d = _inputs(T, seed=100 + ci, device=device)
         cu = torch.tensor(cu_list, dtype=torch.long, device=device)
-        refs = {"conv": _run_conv(K, conv_d, slice(0, T), cu, None),
-                "gdn": _run_gdn(K, gdn_d, slice(0, T), cu, None)}
-        if cname == "lens_63_64_65_64":
+        refs = {"conv": _conv_fwd(K, conv_d, slice(0, T), cu, None)(),
+                "gdn": _gdn_fwd(K, gdn_d, slice(0, T), cu, None)()}
+        if cname == "lens_63_64_65_64" and select("kernel/gdn/oracle_vs_fla_no_cp"):
             records.append(_oracle_check(rank, gdn_d, cu, refs["gdn"]))
         for P in sizes:
             group = groups[P]
@@ -142,15 +156,26 @@ def run_kernels(rank: int, world: int, device, *, kernels=None,
                 log(f"[rank {rank}] {rid}")
                 rec = {"id": rid, "kind": f"kernel_{op}", "rank": rank, "gating": gating,
                        "T": T, "cu_seqlens": cu_list, "shard_tokens": part}
+                # Forward and backward are separate steps, each followed by an all-rank vote,
+                # so a rank that fails (short shards) never leaves the others waiting in a
+                # collective of the next step.
+                res, err, bwd = None, None, None
                 try:
                     ctx = K.build_cp_context(cu, group=group, conv1d_kernel_size=CONV_W)
-                    run = _run_conv if op == "conv" else _run_gdn
-                    res = run(K, conv_d if op == "conv" else gdn_d, span, cu, ctx)
-                    err = None
+                    bwd = FWD[op](K, conv_d if op == "conv" else gdn_d, span, cu, ctx)
                 except Exception as exc:  # noqa: BLE001 - reported per gating rule
-                    res, err = None, f"{type(exc).__name__}: {exc}"[:600]
+                    err = f"forward: {type(exc).__name__}: {exc}"[:600]
                     rec["traceback"] = traceback.format_exc()[-2000:]
-                _agree(err is None, device)  # keep every rank's collectives in step
+                if not _agree(err is None, device):
+                    err = err or "forward failed on another rank"
+                else:
+                    try:
+                        res = bwd()
+                    except Exception as exc:  # noqa: BLE001
+                        err = f"backward: {type(exc).__name__}: {exc}"[:600]
+                        rec["traceback"] = traceback.format_exc()[-2000:]
+                    if not _agree(err is None, device):
+                        err, res = err or "backward failed on another rank", None
                 checks, per_rank = {}, {}
                 if res is not None:
                     ref = refs[op]

@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-JOBS = ("kernels", "module", "oldnew")
+JOBS = ("kernels", "kernels-edge", "module", "oldnew")
 FIGURES = ("max_abs_err", "worst_bound_ratio", "nrms")
 
 

@@ -1,0 +1,1 @@
+"""Image regression suite (a package so its conftest does not shadow other test dirs)."""

@@ -1,0 +1,1 @@
+"""GPU part of the image regression suite (run with tools/gpu-suite)."""

@@ -1,0 +1,36 @@
+"""pytest entry for the GPU part: runs ``tools/gpu-suite`` when 4 CUDA GPUs are present.
+
+Skips (with the reason) on hosts without 4 GPUs, without the trees or without the carried
+FLA wheels; ``tools/gpu-suite`` is the primary way to run it (it needs no pytest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from _image_env import BASE_TREE, GDN_TREE, REPO, need_base_tree, need_torch
+
+
+@pytest.mark.gpu
+def test_gpu_suite_passes(tmp_path):
+    need_torch()
+    import torch
+
+    if torch.cuda.device_count() < 4:
+        pytest.skip(f"GPU part needs 4 CUDA GPUs, found {torch.cuda.device_count()}; "
+                    "run tools/gpu-suite on a 4-GPU host")
+    need_base_tree()
+    wheels = os.environ.get("GDN_WHEELS", str(REPO / ".whl"))
+    if not any(p.endswith(".whl") for p in os.listdir(os.path.join(wheels, "fla041"))
+               if os.path.isdir(os.path.join(wheels, "fla041"))):
+        pytest.skip(f"no FLA 0.4.1/0.4.2 wheels under {wheels} (fla041/, fla042/)")
+    env = dict(os.environ, GDN_TREE=str(GDN_TREE), GDN_BASE_TREE=str(BASE_TREE),
+               GDN_WHEELS=wheels, GDN_SUITE_WORK=str(tmp_path / "work"))
+    proc = subprocess.run([str(REPO / "tools" / "gpu-suite"), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert proc.returncode == 0 and summary["passed"], proc.stderr[-4000:]

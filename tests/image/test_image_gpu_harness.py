@@ -1,0 +1,69 @@
+"""The GPU kernel harness (``kernel_matrix``) judged on CPU: right kernels pass, wrong ones fail.
+
+FLA's Triton kernels cannot run on CPU, so the harness is driven with stand-ins in a 4-rank
+gloo world: the faithful stand-ins of ``fla_emulation`` must pass every gate, and two
+deliberately broken CP kernels, a conv that ignores the previous rank's halo and a scan
+that restarts every rank from a zero state, must fail them. This checks the sharding,
+gathering and gating logic that the GPU run relies on, not FLA.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from _image_env import need_torch
+
+SELECT = r"lens_63_64_65_64/cp4|single_T256_shard64/cp4|oracle"
+
+
+def _broken_conv(x, weight=None, bias=None, activation=None, cu_seqlens=None,
+                 cp_context=None, **kw):
+    import torch
+
+    import fla_emulation as E
+    import gdn_reference as ref
+
+    if cp_context is None:
+        return E.causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens)
+    local = torch.tensor([0, x.shape[1]])  # BUG on purpose: no halo from the previous rank
+    return ref.causal_conv1d_ref(x, weight, bias, activation, local), None
+
+
+def _broken_gdn(q, k, v, g, beta, cu_seqlens=None, cp_context=None, **kw):
+    import torch
+
+    import gdn_reference as ref
+
+    cu = torch.tensor([0, q.shape[1]]) if cp_context is not None else cu_seqlens
+    o, _ = ref.gdn_chunked(q.float(), k.float(), v.float(), g.float(), beta.float(),
+                           cu_seqlens=cu)  # BUG on purpose: zero state on every rank
+    return o.to(v.dtype), None
+
+
+def _worker(rank, world, broken):
+    import fla_emulation as E
+    import kernel_matrix as KM
+
+    K = SimpleNamespace(build_cp_context=E.build_cp_context,
+                        causal_conv1d=_broken_conv if broken else E.causal_conv1d,
+                        chunk_gated_delta_rule=_broken_gdn if broken else E.chunk_gated_delta_rule)
+    import re
+
+    return KM.run_kernels(rank, world, "cpu", kernels=K,
+                          select=lambda rid: re.search(SELECT, rid) is not None)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["faithful", "broken"])
+def test_kernel_gates_separate_right_from_wrong(gloo_world, broken):
+    need_torch()
+    records = [r for recs in gloo_world(_worker, 4, broken) for r in recs]
+    gated = [r for r in records if r["kind"] in ("kernel_conv", "kernel_gdn")]
+    assert {r["id"] for r in gated} == {
+        f"kernel/{op}/{c}/cp4" for op in ("conv", "gdn")
+        for c in ("lens_63_64_65_64", "single_T256_shard64")}
+    if not broken:
+        assert all(r["passed"] for r in records), [r["id"] for r in records if not r["passed"]]
+    else:
+        assert not any(r["passed"] for r in gated), [r["id"] for r in gated if r["passed"]]
