@@ -139,7 +139,8 @@ def run_kernels(rank: int, world: int, device, *, kernels=None,
         if not any(select(i) for i in ids):
             continue
         conv_d, gdn_d = _inputs(T, seed=100 + ci, device=device)
-        cu = torch.tensor(cu_list, dtype=torch.long, device=device)
+        # int32, as Megatron's PackedSeqParams carries it
+        cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
         refs = {"conv": _conv_fwd(K, conv_d, slice(0, T), cu, None)(),
                 "gdn": _gdn_fwd(K, gdn_d, slice(0, T), cu, None)()}
         if cname == "lens_63_64_65_64" and select("kernel/gdn/oracle_vs_fla_no_cp"):

@@ -169,6 +169,13 @@ def main(argv=None):
     elif args.job == "oldnew-dump":
         import oldnew
 
+        if not args.emulate and not args.no_warmup:
+            import warmup
+
+            warmup.run(warmup.OLDNEW_ITEMS, rank, world, device, log)
+            dist.barrier()
+            phases["warmup_s"] = time.time() - t0
+
         res = oldnew.dump(rank, world, device, patched=args.label == "new", emulate=args.emulate)
         d = Path(args.dump_dir)
         d.mkdir(parents=True, exist_ok=True)

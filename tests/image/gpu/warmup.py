@@ -24,6 +24,12 @@ MODULE_ITEMS = (
     + [("conv", F32, d, v) for d in (768, 384, 192, 640, 320) for v in (True, False)]
     + [("l2", F32, 32), ("l2", F32, 64)]
 )
+# old-vs-new dumps: CP=1 and headwise CP=2/4 of the gqa geometry (either FLA version)
+OLDNEW_ITEMS = (
+    [("gdn", F32, h, 32, 64, v) for h in (8, 4, 2) for v in (True, False)]
+    + [("conv", F32, d, v) for d in (768, 384, 192) for v in (True, False)]
+    + [("l2", F32, 32)]
+)
 
 
 def _one(item, device):
