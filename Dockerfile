@@ -9,11 +9,13 @@
 #   deps/torch-cpu.lock      hash-pinned cpu torch wheel (cpu flavour only)
 #   deps/wheels/             the cpu torch wheel (cpu flavour), else empty
 #   deps/install-deps.sh     makes /opt/gdn/venv
+#   deps/ca-bundle.crt       the host's CA bundle, when pip there needs one (proxy);
+#                            used by pip in this stage only, never in the image
 #   tree/megatron/           pristine assembled tree (build/tree/base/megatron)
-#   tests/image/             the image regression suite
+#   app/tests/image/         the image regression suite
+#   app/bin/                 apply-patch.sh, capability_check.py, run-suite.sh
 #   patch/megatron.patch     patches/latest/megatron.patch
 #   patch/manifest.json      patches/latest/manifest.json
-#   bin/                     apply-patch.sh, capability_check.py, run-suite.sh
 #
 # Layer order: dependencies, then the pristine tree and the suite, then the patch,
 # so a changed patch rebuilds only the patch step, the final copy and the
@@ -34,44 +36,36 @@ COPY deps/ /opt/gdn/deps/
 RUN sh /opt/gdn/deps/install-deps.sh "${TORCH_FROM}"
 
 # ---------------------------------------------------------------------------
-# src: the pristine tree, the suite, then the patch applied with zero fuzz,
-# a conflict-marker scan and a byte-compile. Uses the base image's python3.
+# src: the pristine tree, the suite and scripts, then the patch, checked against
+# the manifest's sha256 and applied with zero fuzz, a conflict-marker scan and a
+# byte-compile. Uses the base image's python3 (the venv's interpreter).
 FROM ${BASE_IMAGE} AS src
 COPY tree/ /opt/gdn/base/
-COPY tests/ /opt/gdn/tests/
-COPY patch/ bin/ /opt/gdn/stage/
-ARG PATCH_SHA256=""
-RUN sh /opt/gdn/stage/apply-patch.sh "${PATCH_SHA256}"
+COPY app/ /opt/gdn/
+COPY patch/ /opt/gdn/patch/
+RUN sh /opt/gdn/bin/apply-patch.sh
 
 # ---------------------------------------------------------------------------
 # image: base + venv + patched tree; the capability check fails the build unless
 # the FLA CP API and the patched Megatron modules are usable.
+# Every instruction of the classic builder commits a layer, and vfs copies the
+# whole root filesystem for each, so the steps that change with the patch are
+# kept to three: the tree copy, the capability check and the labels.
 FROM ${BASE_IMAGE} AS image
+ARG BASE_IMAGE GDN_FLAVOUR=cuda FLA_VERSION=0.4.2 TRITON_VERSION=3.6.0 PATCH_NAME PATCH_SHA256 \
+    MANIFEST_SHA256 LOCK_SHA256 TREE_SHA256 PIN_MEGATRON_BRIDGE PIN_MCORE_BASE PIN_UPSTREAM
 ENV VIRTUAL_ENV=/opt/gdn/venv \
     PATH=/opt/gdn/venv/bin:${PATH} \
     PYTHONPATH=/opt/gdn/tree${PYTHONPATH:+:${PYTHONPATH}} \
     GDN_TREE=/opt/gdn/tree \
     GDN_BASE_TREE=/opt/gdn/base \
     PYTHONDONTWRITEBYTECODE=1
+CMD ["sh", "/opt/gdn/bin/run-suite.sh"]
 COPY --from=deps /opt/gdn/venv /opt/gdn/venv
 COPY --from=src /opt/gdn/ /opt/gdn/
-ARG FLA_VERSION=0.4.2
-ARG TRITON_VERSION=3.6.0
 RUN python /opt/gdn/bin/capability_check.py \
       --fla-version "${FLA_VERSION}" --triton-version "${TRITON_VERSION}" \
       --patch /opt/gdn/patch/megatron.patch --out /opt/gdn/capability.json
-
-# Labels last: they change with every patch and cost no layer.
-ARG GDN_FLAVOUR=cuda
-ARG PATCH_NAME=""
-ARG PATCH_SHA256=""
-ARG MANIFEST_SHA256=""
-ARG LOCK_SHA256=""
-ARG TREE_SHA256=""
-ARG PIN_MEGATRON_BRIDGE=""
-ARG PIN_MCORE_BASE=""
-ARG PIN_UPSTREAM=""
-ARG BASE_IMAGE
 LABEL org.opencontainers.image.title="gdn-megatron" \
       org.opencontainers.image.description="Pinned Megatron tree with the GDN chunkwise context-parallel backport" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
@@ -88,5 +82,3 @@ LABEL org.opencontainers.image.title="gdn-megatron" \
       io.gdn.manifest.sha256="${MANIFEST_SHA256}" \
       io.gdn.requirements-lock.sha256="${LOCK_SHA256}" \
       io.gdn.tree.sha256="${TREE_SHA256}"
-WORKDIR /opt/gdn
-CMD ["sh", "/opt/gdn/bin/run-suite.sh"]

@@ -333,7 +333,7 @@ def image_tags(flavour: Flavour, pre: Preflight) -> list[str]:
 
 # --------------------------------------------------------------------------- context
 
-CONTEXT_SCRIPTS = {"bin": ("apply-patch.sh", "capability_check.py", "run-suite.sh"),
+CONTEXT_SCRIPTS = {"app/bin": ("apply-patch.sh", "capability_check.py", "run-suite.sh"),
                    "deps": ("install-deps.sh",)}
 
 
@@ -368,8 +368,8 @@ def stage_context(inputs: Inputs, flavour: Flavour, dest: Path, ca_bundle: Optio
     """Write the build context to ``dest`` (replaced); returns ``dest``.
 
     Layout (the Dockerfile's header lists it): Dockerfile, deps/ (locks, install
-    script, wheels/, optional ca-bundle.crt), tree/megatron/, tests/image/,
-    patch/ (patch, manifest), bin/.
+    script, wheels/, optional ca-bundle.crt), tree/megatron/, app/ (tests/image/,
+    bin/), patch/ (patch, manifest).
     """
     if dest.exists():
         shutil.rmtree(dest)
@@ -387,7 +387,7 @@ def stage_context(inputs: Inputs, flavour: Flavour, dest: Path, ca_bundle: Optio
         for name in names:
             _copy(inputs.docker_dir / name, dest / sub / name)
     shutil.copytree(inputs.tree / "megatron", dest / "tree" / "megatron", symlinks=True, ignore=ignore)
-    shutil.copytree(inputs.tests, dest / "tests" / "image", symlinks=True, ignore=ignore)
+    shutil.copytree(inputs.tests, dest / "app" / "tests" / "image", symlinks=True, ignore=ignore)
     _copy(inputs.patch, dest / "patch" / "megatron.patch")
     _copy(inputs.manifest, dest / "patch" / "manifest.json")
     return dest

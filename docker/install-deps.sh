@@ -22,6 +22,11 @@ python3 -m venv --system-site-packages "$VENV"
 # NGC images set PIP_CONSTRAINT to their own pins; the lock is ours, not theirs.
 export PIP_CONSTRAINT="" PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
        PIP_ROOT_USER_ACTION=ignore PIP_NO_INPUT=1 PIP_PROGRESS_BAR=off
+# Behind a TLS-inspecting proxy the build context carries the host's CA bundle.
+if [ -s "$DEPS/ca-bundle.crt" ]; then
+  export PIP_CERT="$DEPS/ca-bundle.crt"
+  say "pip trusts the host's CA bundle (deps/ca-bundle.crt)"
+fi
 set --
 case "$TORCH_FROM" in
   wheel)

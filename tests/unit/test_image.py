@@ -1,0 +1,527 @@
+"""Image engine logic without Docker: context staging, labels, preflight, report parsing,
+build-stream tracking and error mapping, the lock helpers, the patch/capability scripts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backport import image as img
+from backport import image_cli
+from backport.errors import ImageError, PipelineError
+from backport.image_lock import LockEntry, parse_lock, parse_report, render_lock
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKER = REPO / "docker"
+sys.path.insert(0, str(DOCKER))
+import capability_check  # noqa: E402
+
+BASE_PY = "def f():\n    # one\n    return 1\n"
+GOOD_PATCH = """\
+--- a/megatron/core/mod.py
++++ b/megatron/core/mod.py
+@@ -1,3 +1,4 @@
+ def f():
+     # one
++    # added comment
+     return 1
+--- /dev/null
++++ b/megatron/core/new_mod.py
+@@ -0,0 +1,2 @@
++X = 1
++Y = 2
+"""
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def inputs(tmp_path) -> img.Inputs:
+    """A small but complete set of build inputs in tmp_path."""
+    tree = tmp_path / "tree"
+    (tree / "megatron" / "core").mkdir(parents=True)
+    (tree / "megatron" / "core" / "mod.py").write_text(BASE_PY)
+    (tree / "megatron" / "core" / "__pycache__").mkdir()
+    (tree / "megatron" / "core" / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"x")
+    patch = tmp_path / "megatron.patch"
+    patch.write_text(GOOD_PATCH)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({
+        "pins": {"megatron_bridge": "b" * 40, "mcore_base": "c" * 40, "upstream": "d" * 40},
+        "patch": {"name": "20260101-ccccccccc.patch", "sha256": _sha(patch.read_bytes())}}))
+    tests = tmp_path / "suite"
+    tests.mkdir()
+    (tests / "test_x.py").write_text("def test_x():\n    pass\n")
+    (tests / ".pytest_cache").mkdir()
+    wheel = tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"not really a wheel")
+    torch_lock = tmp_path / "torch-cpu.lock"
+    torch_lock.write_text(f"torch @ file:///opt/gdn/deps/wheels/{wheel.name} \\\n"
+                          f"    --hash=sha256:{_sha(wheel.read_bytes())}\n")
+    return img.Inputs(tree=tree, patch=patch, manifest=manifest, tests=tests,
+                      torch_lock=torch_lock, torch_wheel=wheel)
+
+
+# --------------------------------------------------------------------------- preflight / labels
+
+def test_preflight_reads_digests_and_pins(inputs):
+    pre = img.preflight(inputs, img.FLAVOURS["cpu"])
+    assert pre.patch_sha256 == _sha(inputs.patch.read_bytes())
+    assert pre.manifest_sha256 == _sha(inputs.manifest.read_bytes())
+    assert pre.lock_sha256 == _sha(inputs.lock.read_bytes())
+    assert pre.patch_name == "20260101-ccccccccc.patch"
+    assert pre.pins["upstream"] == "d" * 40
+    assert pre.hunks == 2
+    assert pre.lock_pins["flash-linear-attention"] == img.FLA_PIN
+
+
+def test_tree_digest_ignores_caches_and_sees_content(inputs):
+    root = inputs.tree / "megatron"
+    before = img.tree_digest(root)
+    (root / "core" / "__pycache__" / "other.pyc").write_bytes(b"y")
+    assert img.tree_digest(root) == before
+    (root / "core" / "mod.py").write_text(BASE_PY + "# x\n")
+    assert img.tree_digest(root) != before
+
+
+@pytest.mark.parametrize("breakage, words", [
+    ("no_tree", "build inputs missing"),
+    ("no_patch", "build inputs missing"),
+    ("manifest_mismatch", "is not the patch"),
+    ("manifest_not_json", "is not JSON"),
+    ("wrong_wheel", "not the one in"),
+    ("no_wheel", "wheel not found"),
+])
+def test_preflight_refuses_bad_inputs(inputs, breakage, words):
+    if breakage == "no_tree":
+        shutil.rmtree(inputs.tree / "megatron")
+    elif breakage == "no_patch":
+        inputs.patch.unlink()
+    elif breakage == "manifest_mismatch":
+        inputs.patch.write_text(GOOD_PATCH + "\n")
+    elif breakage == "manifest_not_json":
+        inputs.manifest.write_text("{")
+    elif breakage == "wrong_wheel":
+        inputs.torch_wheel.write_bytes(b"another build")
+    elif breakage == "no_wheel":
+        inputs.torch_wheel.unlink()
+    with pytest.raises(img.InputError, match=words) as info:
+        img.preflight(inputs, img.FLAVOURS["cpu"])
+    assert info.value.exit_code == 13 and info.value.hint
+
+
+def test_cuda_preflight_needs_no_wheel(inputs):
+    inputs.torch_wheel.unlink()
+    assert img.preflight(inputs, img.FLAVOURS["cuda"]).hunks == 2
+
+
+def test_build_args_fill_every_label(inputs):
+    pre = img.preflight(inputs, img.FLAVOURS["cpu"])
+    args = img.build_args(img.FLAVOURS["cpu"], pre)
+    assert args["BASE_IMAGE"] == img.CPU_BASE_IMAGE and args["TORCH_FROM"] == "wheel"
+    labels = img.expected_labels(args)
+    assert labels["io.gdn.patch.sha256"] == pre.patch_sha256
+    assert labels["io.gdn.manifest.sha256"] == pre.manifest_sha256
+    assert labels["io.gdn.pin.flash-linear-attention"] == "0.4.2"
+    assert labels["io.gdn.pin.fla-core"] == "0.4.2"
+    assert labels["io.gdn.pin.triton"] == "3.6.0"
+    assert labels["io.gdn.pin.mcore-base"] == "c" * 40
+    assert all(v for v in labels.values())
+    cuda = img.build_args(img.FLAVOURS["cuda"], pre)
+    assert cuda["BASE_IMAGE"].startswith("nvcr.io/nvidia/pytorch:") and cuda["TORCH_FROM"] == "base"
+    assert img.build_args(img.FLAVOURS["cuda"], pre, "my/base:1")["BASE_IMAGE"] == "my/base:1"
+
+
+def test_every_label_and_build_arg_is_in_the_dockerfile(inputs):
+    text = (REPO / "Dockerfile").read_text()
+    pre = img.preflight(inputs, img.FLAVOURS["cpu"])
+    args = img.build_args(img.FLAVOURS["cpu"], pre)
+    for name in args:
+        assert f"{name}" in text, name
+    for label in img.expected_labels(args):
+        assert f"{label}=" in text, label
+
+
+def test_dockerfile_orders_layers_deps_tree_then_patch():
+    lines = [l for l in (REPO / "Dockerfile").read_text().splitlines() if l and not l.startswith("#")]
+    idx = {key: next(i for i, l in enumerate(lines) if key in l) for key in (
+        "install-deps.sh", "COPY tree/", "COPY patch/", "apply-patch.sh", "COPY --from=deps",
+        "COPY --from=src", "capability_check.py", "LABEL")}
+    assert idx["install-deps.sh"] < idx["COPY tree/"] < idx["COPY patch/"] < idx["apply-patch.sh"]
+    assert idx["COPY --from=deps"] < idx["COPY --from=src"] < idx["capability_check.py"] < idx["LABEL"]
+    assert "git clone" not in "\n".join(lines)
+
+
+def test_image_tags(inputs):
+    pre = img.preflight(inputs, img.FLAVOURS["cpu"])
+    assert img.image_tags(img.FLAVOURS["cpu"], pre) == [
+        "gdn-megatron:cpu", f"gdn-megatron:cpu-{pre.patch_sha256[:12]}"]
+
+
+# --------------------------------------------------------------------------- context
+
+def test_stage_context_layout(inputs, tmp_path):
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    ctx = img.stage_context(inputs, img.FLAVOURS["cpu"], tmp_path / "ctx", ca_bundle=ca)
+    files = sorted(p.relative_to(ctx).as_posix() for p in ctx.rglob("*") if p.is_file())
+    assert files == sorted([
+        "Dockerfile", "deps/requirements.lock", "deps/torch-cpu.lock", "deps/install-deps.sh",
+        f"deps/wheels/{inputs.torch_wheel.name}", "deps/ca-bundle.crt",
+        "app/bin/apply-patch.sh", "app/bin/capability_check.py", "app/bin/run-suite.sh",
+        "app/tests/image/test_x.py", "tree/megatron/core/mod.py",
+        "patch/megatron.patch", "patch/manifest.json"])
+    assert (ctx / "patch" / "megatron.patch").read_bytes() == inputs.patch.read_bytes()
+
+
+def test_stage_context_cuda_has_no_wheel_and_replaces_old_context(inputs, tmp_path):
+    dest = tmp_path / "ctx"
+    img.stage_context(inputs, img.FLAVOURS["cpu"], dest)
+    img.stage_context(inputs, img.FLAVOURS["cuda"], dest)
+    assert list((dest / "deps" / "wheels").iterdir()) == []
+    assert not (dest / "deps" / "ca-bundle.crt").exists()
+
+
+def test_host_ca_bundle_order(tmp_path, monkeypatch):
+    a, b = tmp_path / "a.crt", tmp_path / "b.crt"
+    a.write_text("a")
+    b.write_text("b")
+    for var in ("GDN_BUILD_CA_BUNDLE", "PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"):
+        monkeypatch.delenv(var, raising=False)
+    assert img.host_ca_bundle() is None
+    monkeypatch.setenv("SSL_CERT_FILE", str(b))
+    assert img.host_ca_bundle() == b
+    monkeypatch.setenv("GDN_BUILD_CA_BUNDLE", str(a))
+    assert img.host_ca_bundle() == a
+
+
+# --------------------------------------------------------------------------- disk
+
+def test_check_disk_refuses_below_floor(tmp_path):
+    assert img.check_disk(tmp_path / "not" / "yet", 0.0) > 0
+    with pytest.raises(img.DiskSpaceError, match="GiB free") as info:
+        img.check_disk(tmp_path, 10**9)
+    assert info.value.exit_code == 11 and "prune" in info.value.hint
+
+
+# --------------------------------------------------------------------------- build stream
+
+def _stream(*lines, error=None, image_id=None):
+    chunks = [{"stream": line + "\n"} for line in lines]
+    if image_id:
+        chunks.append({"aux": {"ID": image_id}})
+    if error:
+        chunks.append({"errorDetail": {"message": error}, "error": error})
+    return chunks
+
+
+def _track(chunks):
+    seen = []
+    tracker = img.BuildTracker(on_line=seen.append)
+    for c in chunks:
+        tracker.feed(c)
+    tracker.finish()
+    return tracker, seen
+
+
+def test_tracker_records_steps_cache_and_image():
+    tracker, seen = _track(_stream(
+        "Step 1/3 : FROM gdn-base:bookworm AS deps", " ---> 1234",
+        "Step 2/3 : COPY deps/ /opt/gdn/deps/", " ---> Using cache", " ---> abcd",
+        "Step 3/3 : RUN sh /opt/gdn/bin/apply-patch.sh", "==> [patch-apply] patch -p1",
+        "Successfully built 0123456789ab", image_id="sha256:" + "f" * 64))
+    assert [s.number for s in tracker.steps] == [1, 2, 3]
+    assert [s.cached for s in tracker.steps] == [False, True, False]
+    assert tracker.steps[2].marker == "patch-apply"
+    assert tracker.image_id == "sha256:" + "f" * 64
+    assert "==> [patch-apply] patch -p1" in seen
+
+
+def test_tracker_strips_terminal_colours():
+    tracker, seen = _track(_stream("Step 1/1 : RUN x", "\x1b[91mERROR: boom\x1b[0m"))
+    assert "ERROR: boom" in seen and not any("\x1b" in s for s in seen)
+
+
+def test_rejected_hunk_maps_to_patch_apply_with_tail():
+    tracker, _ = _track(_stream(
+        "Step 11/19 : RUN sh /opt/gdn/bin/apply-patch.sh",
+        "==> [patch-apply] patch -p1 --fuzz=0 --batch --forward (2 hunks)",
+        "patching file megatron/core/mod.py", "Hunk #1 FAILED at 1.",
+        "error: [patch-apply] the patch does not apply with zero fuzz to the pristine tree (a hunk was rejected)",
+        error="The command '/bin/sh -c sh /opt/gdn/bin/apply-patch.sh' returned a non-zero code: 1"))
+    err = img.classify_build_error(tracker, "gdn-base:bookworm")
+    assert isinstance(err, img.BuildStepFailed) and err.exit_code == 9
+    assert err.step == "patch-apply"
+    text = str(err)
+    assert "failed at step patch-apply" in text and "Hunk #1 FAILED at 1." in text
+    assert "tools/backport" in err.hint and text.rstrip().endswith(err.hint)
+
+
+def test_capability_failure_names_the_checks():
+    tracker, _ = _track(_stream(
+        "Step 18/19 : RUN python /opt/gdn/bin/capability_check.py --fla-version 0.4.2",
+        "==> [capability:versions] FAILED: AssertionError: wrong versions installed: flash-linear-attention==0.4.1 (want 0.4.2)",
+        "==> [capability:fla-cp] FAILED: ModuleNotFoundError: No module named 'fla.ops.cp'",
+        "error: [capability] failed: versions, fla-cp", error="returned a non-zero code: 1"))
+    err = img.classify_build_error(tracker, "b")
+    assert err.step.startswith("capability")
+    assert "flash-linear-attention==0.4.1" in err.detail and "fla.ops.cp" in err.detail
+    assert "requirements.in" in err.hint
+
+
+@pytest.mark.parametrize("instruction, expected", [
+    ('RUN sh /opt/gdn/deps/install-deps.sh "${TORCH_FROM}"', "deps"),
+    ("RUN python /opt/gdn/bin/capability_check.py", "capability"),
+    ("COPY tree/ /opt/gdn/base/", "7 (COPY tree/ /opt/gdn/base/)"),
+])
+def test_failed_step_falls_back_to_the_instruction(instruction, expected):
+    tracker, _ = _track(_stream(f"Step 7/19 : {instruction}", error="boom"))
+    assert tracker.failed_step() == expected
+
+
+def test_no_space_maps_to_disk_error():
+    tracker, _ = _track(_stream("Step 16/19 : COPY --from=deps /opt/gdn/venv /opt/gdn/venv",
+                                error="write /var/lib/docker/vfs/dir/x: no space left on device"))
+    err = img.classify_build_error(tracker, "b")
+    assert isinstance(err, img.DiskSpaceError) and "step 16" in str(err)
+
+
+def test_missing_base_maps_to_base_image_error():
+    tracker, _ = _track(_stream("Step 2/19 : FROM ${BASE_IMAGE} AS deps",
+                                error='Get "https://nvcr.io/v2/": dial tcp: lookup nvcr.io: no such host'))
+    err = img.classify_build_error(tracker, "nvcr.io/nvidia/pytorch:25.12-py3")
+    assert isinstance(err, img.BaseImageMissing) and err.exit_code == 14
+    assert "nvcr.io/nvidia/pytorch:25.12-py3" in str(err) and "FLAVOUR=cpu" in err.hint
+
+
+# --------------------------------------------------------------------------- gate report
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="1" failures="1" skipped="1" tests="5">
+<testcase classname="test_a" name="test_ok"/>
+<testcase classname="test_a" name="test_ok2"/>
+<testcase classname="test_a" name="test_bad"><failure message="x">tb</failure></testcase>
+<testcase classname="test_b" name="test_err"><error message="y">tb</error></testcase>
+<testcase classname="test_b" name="test_gpu"><skipped message="no GPU"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_parse_junit_counts():
+    counts = img.parse_junit(JUNIT)
+    assert {k: counts[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == {
+        "tests": 5, "passed": 2, "failed": 1, "errors": 1, "skipped": 1}
+    assert counts["failing"] == ["test_a::test_bad", "test_b::test_err"]
+
+
+def test_parse_junit_refuses_garbage():
+    with pytest.raises(img.GateFailed, match="unreadable"):
+        img.parse_junit("<testsuites")
+
+
+@pytest.mark.parametrize("counts, code, ok, words", [
+    (dict(tests=3, passed=3, failed=0, errors=0, skipped=0), 0, True, "3 passed"),
+    (dict(tests=3, passed=2, failed=1, errors=0, skipped=0), 1, False, "1 failed"),
+    (dict(tests=3, passed=2, failed=0, errors=1, skipped=0), 1, False, "1 errors"),
+    (dict(tests=0, passed=0, failed=0, errors=0, skipped=0), 5, False, "ran no test"),
+    (dict(tests=4, passed=0, failed=0, errors=0, skipped=4), 0, False, "ran no test"),
+    (dict(tests=2, passed=2, failed=0, errors=0, skipped=0), 3, False, "pytest exited 3"),
+])
+def test_gate_verdict(counts, code, ok, words):
+    verdict, reason = img.gate_verdict(counts, code)
+    assert verdict is ok and words in reason
+
+
+def test_require_gate_ok_shows_tail_and_hint():
+    report = {"ok": False, "reason": "1 failed, 0 errors", "image": {"id": "sha256:" + "a" * 64},
+              "suite": {"failing": ["t::x"]}, "log_tail": ["FAILED t::x - AssertionError", "1 failed"]}
+    with pytest.raises(img.GateFailed) as info:
+        img.require_gate_ok(report)
+    text = str(info.value)
+    assert "t::x" in text and "| 1 failed" in text and "step suite" in text
+    assert info.value.exit_code == 12 and text.rstrip().endswith(info.value.hint)
+    img.require_gate_ok({"ok": True})
+
+
+def test_write_json_is_canonical(tmp_path):
+    path = img.write_json(tmp_path / "x" / "r.json", {"b": 1, "a": [2]})
+    assert path.read_text() == '{\n  "a": [\n    2\n  ],\n  "b": 1\n}\n'
+
+
+# --------------------------------------------------------------------------- errors and CLI
+
+def test_error_classes_have_distinct_codes_and_hints():
+    classes = [img.BuildStepFailed, img.DockerUnavailable, img.DiskSpaceError, img.GateFailed,
+               img.InputError, img.BaseImageMissing]
+    codes = [c.exit_code for c in classes]
+    assert len(set(codes)) == len(codes)
+    assert all(issubclass(c, ImageError) and issubclass(c, PipelineError) for c in classes)
+    assert "tools/dockerd-up" in img.DockerUnavailable.default_hint
+
+
+def test_docker_unavailable_without_engine(monkeypatch):
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    with pytest.raises(img.DockerUnavailable, match="no Docker Engine answers") as info:
+        img.docker_client(timeout=2)
+    assert "sudo tools/dockerd-up" in info.value.hint
+
+
+def test_cli_maps_errors_to_exit_codes(monkeypatch, capsys, inputs):
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    with pytest.raises(SystemExit) as info:
+        image_cli.main(["build", "--flavour", "cuda", "--tree", str(inputs.tree), "--patch", str(inputs.patch),
+                        "--manifest", str(inputs.manifest)])
+    assert info.value.code == 10
+    err = capsys.readouterr().err
+    assert "no Docker Engine answers" in err and "hint: Start one with `sudo tools/dockerd-up`" in err
+
+
+def test_cli_refuses_missing_inputs_before_docker(capsys, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        image_cli.main(["build", "--tree", str(tmp_path / "none")])
+    assert info.value.code == 13
+    assert "tools/backport --upstream 5139086e" in capsys.readouterr().err
+
+
+def test_cli_usage_error_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        image_cli.main(["build", "--flavour", "tpu"])
+    assert info.value.code == 2
+
+
+# --------------------------------------------------------------------------- lock
+
+def test_committed_lock_pins_fla_and_triton_with_hashes():
+    entries = parse_lock((DOCKER / "requirements.lock").read_text())
+    assert entries["flash-linear-attention"].version == "0.4.2"
+    assert entries["fla-core"].version == "0.4.2"
+    assert entries["triton"].version == "3.6.0"
+    assert len(entries["triton"].hashes) >= 2  # cp311 and cp312 wheels
+    assert "torch" not in entries
+    for e in entries.values():
+        assert e.hashes and all(len(h) == 64 for h in e.hashes), e.name
+
+
+def test_committed_torch_lock_names_the_cpu_wheel():
+    hashes = img.torch_lock_hashes((DOCKER / "torch-cpu.lock").read_text())
+    assert list(hashes) == [img.CPU_TORCH_WHEEL.name]
+    assert hashes[img.CPU_TORCH_WHEEL.name] == {
+        "6746dbcbeb526eb61330b76b41ff1b4eb848951103a892eeb080dfa2b264667b"}
+
+
+def test_lock_render_parse_roundtrip():
+    entries = [LockEntry("b-pkg", "1.0", {"2" * 64, "1" * 64}), LockEntry("a", "2", {"3" * 64})]
+    text = render_lock(entries)
+    assert text.index("a==2") < text.index("b-pkg==1.0")
+    back = parse_lock(text)
+    assert back["b-pkg"].hashes == {"1" * 64, "2" * 64} and back["a"].version == "2"
+    with pytest.raises(ImageError, match="no hash"):
+        render_lock([LockEntry("c", "1")])
+
+
+def test_parse_report_skips_torch_and_normalises_names():
+    report = {"install": [
+        {"metadata": {"name": "torch", "version": "2.13.0+cpu"}, "download_info": {}},
+        {"metadata": {"name": "Fla_Core", "version": "0.4.2"},
+         "download_info": {"archive_info": {"hashes": {"sha256": "a" * 64}}}}]}
+    entries = parse_report(report)
+    assert list(entries) == ["fla-core"] and entries["fla-core"].hashes == {"a" * 64}
+
+
+# --------------------------------------------------------------------------- one-line change
+
+def _apply(tree: Path, patch_text: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["patch", "-p1", "--fuzz=0", "--batch", "--forward", "--dry-run"],
+                          cwd=tree, input=patch_text, text=True, capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+def test_one_line_change_keeps_the_patch_applicable(inputs):
+    changed = img.one_line_change(GOOD_PATCH)
+    diff = [(a, b) for a, b in zip(GOOD_PATCH.splitlines(), changed.splitlines()) if a != b]
+    assert diff == [("+    # added comment", "+    # added comment (rebuild probe)")]
+    assert _apply(inputs.tree, changed).returncode == 0
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+def test_one_line_change_without_comment_extends_a_new_file(inputs):
+    text = GOOD_PATCH.replace("+    # added comment\n", "+    x = 0\n")
+    changed = img.one_line_change(text)
+    assert "@@ -0,0 +1,3 @@" in changed and "+# rebuild probe\n" in changed
+    assert _apply(inputs.tree, changed).returncode == 0
+    with pytest.raises(img.InputError):
+        img.one_line_change("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n")
+
+
+# --------------------------------------------------------------------------- scripts
+
+def test_patched_modules():
+    assert capability_check.patched_modules(GOOD_PATCH + "--- a/megatron/core/__init__.py\n"
+                                            "+++ b/megatron/core/__init__.py\n"
+                                            "--- a/README.md\n+++ b/README.md\n") == [
+        "megatron.core", "megatron.core.mod", "megatron.core.new_mod"]
+
+
+def _run_apply(tmp_path: Path, patch_text: str, manifest_sha: str | None = None):
+    root = tmp_path / "gdn"
+    (root / "base" / "megatron" / "core").mkdir(parents=True)
+    (root / "base" / "megatron" / "core" / "mod.py").write_text(BASE_PY)
+    (root / "patch").mkdir()
+    (root / "patch" / "megatron.patch").write_text(patch_text)
+    sha = manifest_sha if manifest_sha is not None else _sha(patch_text.encode())
+    (root / "patch" / "manifest.json").write_text(json.dumps({"patch": {"sha256": sha}}))
+    env = dict(os.environ, GDN_ROOT=str(root), TMPDIR=str(tmp_path))
+    result = subprocess.run(["sh", str(DOCKER / "apply-patch.sh")], env=env, capture_output=True, text=True)
+    return result, root
+
+
+needs_patch = pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+
+
+@needs_patch
+def test_apply_patch_script_applies_and_compiles(tmp_path):
+    result, root = _run_apply(tmp_path, GOOD_PATCH)
+    assert result.returncode == 0, result.stderr
+    assert "# added comment" in (root / "tree" / "megatron" / "core" / "mod.py").read_text()
+    assert (root / "tree" / "megatron" / "core" / "new_mod.py").exists()
+    assert list((root / "tree").rglob("*.pyc"))
+    assert (root / "base" / "megatron" / "core" / "mod.py").read_text() == BASE_PY
+
+
+@needs_patch
+@pytest.mark.parametrize("case, step, words", [
+    ("rejected", "patch-apply", "Hunk #1 FAILED"),
+    ("fuzz", "patch-apply", "FAILED"),
+    ("reversed", "patch-apply", "Reversed (or previously applied) patch detected"),
+    ("markers", "conflict-markers", "<<<<<<< ours"),
+    ("syntax", "byte-compile", "do not compile"),
+    ("digest", "patch-digest", "differs from the sha256 in manifest.json"),
+])
+def test_apply_patch_script_refuses(tmp_path, case, step, words):
+    digest = None
+    if case == "rejected":
+        text = GOOD_PATCH.replace(" def f():\n     # one\n", " def g():\n     # one\n")
+    elif case == "fuzz":  # only the first context line differs: fuzz 1 would take it
+        text = GOOD_PATCH.replace(" def f():\n", " def f(x):\n")
+    elif case == "reversed":  # the pristine tree already holds what this patch adds
+        text = ("--- a/megatron/core/mod.py\n+++ b/megatron/core/mod.py\n@@ -1,2 +1,3 @@\n def f():\n"
+                "+    # one\n     return 1\n")
+    elif case == "markers":
+        text = GOOD_PATCH.replace("+Y = 2\n", "+<<<<<<< ours\n")
+    elif case == "syntax":
+        text = GOOD_PATCH.replace("+Y = 2\n", "+Y = (\n")
+    else:
+        text, digest = GOOD_PATCH, "0" * 64
+    result, _ = _run_apply(tmp_path, text, digest)
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    assert f"error: [{step}]" in out, out
+    assert words in out, out
