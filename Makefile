@@ -37,3 +37,25 @@ test-image: venv
 	$(PY) -m pytest tests/image -q -rs
 
 # ---- image (Dockerfile, docker-py) --------------------------------------------
+# Owned by the image pipeline (Dockerfile, docker/, backport/image*.py, tools/image).
+# Both targets need a Docker Engine; on a machine without one: `sudo tools/dockerd-up`
+# (or `make dockerd`). `make image` builds the users' cuda flavour by default, which
+# needs the NGC base image present locally (no registry is reachable here); the
+# gate builds the cpu flavour (local Debian base + CPU torch), which runs anywhere.
+IMAGE_FLAVOUR ?= cuda
+GATE_FLAVOUR ?= cpu
+IMAGE_ARGS ?=
+
+.PHONY: image gate image-measure dockerd
+
+dockerd:  ## Start a Docker Engine (Debian docker.io, vfs, no bridge) and wait for it.
+	tools/dockerd-up
+
+image: venv  ## Build the training image from build/tree/base + patches/latest (docker-py).
+	$(PY) tools/image build --flavour $(IMAGE_FLAVOUR) $(IMAGE_ARGS)
+
+gate: venv  ## Build the cpu image, run its regression suite inside it, write results/pipeline/gate-report.json.
+	$(PY) tools/image gate --flavour $(GATE_FLAVOUR) $(IMAGE_ARGS)
+
+image-measure: venv  ## Cold build and one-line-patch rebuild times -> results/pipeline/image-timings.json.
+	$(PY) tools/image measure --flavour $(GATE_FLAVOUR) $(IMAGE_ARGS)
