@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
 
-JOBS = ("kernels", "kernels-edge", "module", "oldnew")
+JOBS = ("kernels", "kernels-edge", "module-a", "module-b", "oldnew")
 FIGURES = ("max_abs_err", "worst_bound_ratio", "nrms")
 
 
@@ -73,6 +74,7 @@ def main(argv=None):
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     host = json.loads((work / "host.json").read_text()) if (work / "host.json").exists() else {}
+    host["env"] = {k: os.environ.get(k) for k in ("TRITON_F32_DEFAULT", "GDN_SUITE_AUTOTUNE")}
     jobs, all_records = {}, []
     for job in [j for j in JOBS if j in args.jobs.split()]:
         d = _load_job(work, job)

@@ -17,13 +17,22 @@ import torch.nn.functional as F
 F32, BF16 = torch.float32, torch.bfloat16
 
 # ("gdn", dtype, heads, dk, dv, varlen) | ("conv", dtype, channels, varlen) | ("l2", dtype, d)
-KERNEL_ITEMS = [("gdn", BF16, 8, 32, 64, True), ("conv", F32, 256, True)]
-MODULE_ITEMS = (
+KERNEL_ITEMS = [("gdn", F32, 8, 32, 64, True), ("conv", F32, 256, True)]
+# module-a: geometry gqa_dk32_dv64, all cases, CP 1/2/4, every mode
+MODULE_A_ITEMS = (
     [("gdn", F32, h, 32, 64, v) for h in (8, 4, 2) for v in (True, False)]
-    + [("gdn", F32, h, 64, 64, v) for h in (6, 3) for v in (True, False)]
-    + [("conv", F32, d, v) for d in (768, 384, 192, 640, 320) for v in (True, False)]
+    + [("conv", F32, d, v) for d in (768, 384, 192) for v in (True, False)]
+    + [("l2", F32, 32)]
+)
+# module-b: the headwise-illegal geometry, dynamic CP, recompute, spec build (THD)
+MODULE_B_ITEMS = (
+    [("gdn", F32, h, 64, 64, v) for h in (6, 3) for v in (True, False)]
+    + [("gdn", F32, h, 32, 64, True) for h in (8, 4, 2)]
+    + [("conv", F32, d, v) for d in (640, 320) for v in (True, False)]
+    + [("conv", F32, d, True) for d in (768, 384, 192)]
     + [("l2", F32, 32), ("l2", F32, 64)]
 )
+MODULE_ITEMS = MODULE_A_ITEMS + [i for i in MODULE_B_ITEMS if i not in MODULE_A_ITEMS]
 # old-vs-new dumps: CP=1 and headwise CP=2/4 of the gqa geometry (either FLA version)
 OLDNEW_ITEMS = (
     [("gdn", F32, h, 32, 64, v) for h in (8, 4, 2) for v in (True, False)]
