@@ -137,6 +137,7 @@ def run_kernels(rank: int, world: int, device, *, kernels=None,
     records: List[dict] = []
     for ci, (cname, (cu_list, sizes, gating)) in enumerate(CASES.items()):
         T = cu_list[-1]
+        sizes = tuple(P for P in sizes if P <= world)
         ids = [f"kernel/{op}/{cname}/cp{P}" for P in sizes for op in ("conv", "gdn")]
         if not any(select(i) for i in ids):
             continue

@@ -119,8 +119,9 @@ def main(argv=None):
         import oldnew
 
         d = Path(args.dump_dir)
-        old = [torch.load(d / f"old-rank{r}.pt", weights_only=False) for r in range(4)]
-        new = [torch.load(d / f"new-rank{r}.pt", weights_only=False) for r in range(4)]
+        n = len(list(d.glob("new-rank*.pt")))
+        old = [torch.load(d / f"old-rank{r}.pt", weights_only=False) for r in range(n)]
+        new = [torch.load(d / f"new-rank{r}.pt", weights_only=False) for r in range(n)]
         meta = {lab: json.loads((d / f"{lab}-meta.json").read_text()) for lab in ("old", "new")}
         records = oldnew.compare(old, new)
         Path(args.out).write_text(json.dumps(
