@@ -717,8 +717,13 @@ def _read_from_container(container, path: str) -> Optional[bytes]:
 
 
 def run_gate(client, image_ref: str, gpus: Optional[bool] = None, on_line: Line = _quiet,
-             pytest_args: Iterable[str] = (), timeout_s: int = 3600) -> dict:
-    """Run the image's suite inside ``image_ref``; returns the report (never raises on test failures)."""
+             pytest_args: Iterable[str] = (), timeout_s: int = 3600,
+             environment: Optional[dict] = None) -> dict:
+    """Run the image's suite inside ``image_ref``; returns the report (never raises on test failures).
+
+    ``pytest_args`` are appended to the suite's command line and ``environment`` to the
+    container's (tests use both to feed deliberately broken runs).
+    """
     import docker
 
     image = client.images.get(image_ref)
@@ -729,7 +734,7 @@ def run_gate(client, image_ref: str, gpus: Optional[bool] = None, on_line: Line 
     container = client.containers.create(
         image.id, command=["sh", "/opt/gdn/bin/run-suite.sh", out_dir, *pytest_args],
         network_mode="host", device_requests=device_requests, detach=True,
-        environment={"PYTHONUNBUFFERED": "1"})
+        environment={"PYTHONUNBUFFERED": "1", **(environment or {})})
     tail: deque = deque(maxlen=LOG_TAIL * 2)
     try:
         container.start()
@@ -771,7 +776,7 @@ def run_gate(client, image_ref: str, gpus: Optional[bool] = None, on_line: Line 
         "python": cap.get("python"),
         "gpus": use_gpus,
         "suite": {"part": "all" if use_gpus else "cpu", "exit_code": exit_code, "seconds": seconds,
-                  **counts},
+                  "extra_args": list(pytest_args), "extra_env": dict(environment or {}), **counts},
         "log_tail": list(tail)[-LOG_TAIL:],
     }
 

@@ -1,0 +1,178 @@
+"""Image build and gate through a real Docker Engine (docker-py), with deliberately broken inputs.
+
+Every test here skips, saying why, when no engine answers (start one with
+`sudo tools/dockerd-up`). They build the cpu flavour on the local Debian base
+(`tools/image base` makes it once) and reuse the layer cache of earlier builds.
+
+* a patch with a rejected hunk fails the build at step patch-apply, with the log tail;
+* a lock that pins FLA 0.4.1 fails the build at the capability step (slow: the deps
+  layer is rebuilt; set GDN_IMAGE_SLOW_TESTS=1);
+* the gate passes on the built image, and refuses a run that ran no test and a run
+  against the unpatched tree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backport import image as img
+from backport.image_lock import parse_lock
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_REPO = "gdn-megatron-test"
+
+
+@pytest.fixture(scope="module")
+def client():
+    try:
+        c = img.docker_client(timeout=1800)
+    except img.DockerUnavailable as exc:
+        pytest.skip(f"no Docker Engine: {exc.message} (start one with `sudo tools/dockerd-up`)")
+    if not img.image_exists(c, img.CPU_BASE_IMAGE):
+        if os.geteuid() != 0:
+            pytest.skip(f"base image {img.CPU_BASE_IMAGE} is missing; make it with `tools/image base` (root)")
+        img.ensure_base_image(c, img.CPU_BASE_IMAGE)
+    if not img.CPU_TORCH_WHEEL.is_file():
+        pytest.skip(f"the cpu torch wheel {img.CPU_TORCH_WHEEL} is not on this machine")
+    return c
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _synthetic_inputs(tmp_path: Path, patch_text: str, lock: Path | None = None) -> img.Inputs:
+    tree = tmp_path / "tree" / "megatron" / "core"
+    tree.mkdir(parents=True)
+    (tree / "__init__.py").write_text("")
+    (tree / "mod.py").write_text("def f():\n    # one\n    return 1\n")
+    patch = tmp_path / "megatron.patch"
+    patch.write_text(patch_text)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"patch": {"name": "synthetic.patch", "sha256": _sha(patch.read_bytes())},
+                                    "pins": {}}))
+    defaults = img.Inputs()
+    return img.Inputs(tree=tmp_path / "tree", patch=patch, manifest=manifest,
+                      lock=lock or defaults.lock)
+
+
+def _build(client, inputs: img.Inputs, tmp_path: Path, tag: str) -> img.BuildResult:
+    fl = img.FLAVOURS["cpu"]
+    pre = img.preflight(inputs, fl)
+    ctx = img.stage_context(inputs, fl, tmp_path / "ctx", img.host_ca_bundle())
+    lines: list[str] = []
+    return img.build_image(client, ctx, img.build_args(fl, pre), [f"{TEST_REPO}:{tag}"], on_line=lines.append)
+
+
+REJECTED = """\
+--- a/megatron/core/mod.py
++++ b/megatron/core/mod.py
+@@ -1,3 +1,4 @@
+ def g():
+     # one
++    # added
+     return 1
+"""
+
+
+def test_build_refuses_a_patch_with_a_rejected_hunk(client, tmp_path):
+    inputs = _synthetic_inputs(tmp_path, REJECTED)
+    with pytest.raises(img.BuildStepFailed) as info:
+        _build(client, inputs, tmp_path, "rejected")
+    err = info.value
+    assert err.step == "patch-apply" and err.exit_code == 9
+    text = str(err)
+    assert "Hunk #1 FAILED" in text and "rejected hunks" in text
+    assert "failed at step patch-apply" in text and text.rstrip().endswith(err.hint)
+    assert "tools/backport" in err.hint
+
+
+def _fla_041_lock(tmp_path: Path) -> Path:
+    """The committed lock with flash-linear-attention/fla-core pinned at 0.4.1 (real hashes)."""
+    dest = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "--isolated", "download", "--no-deps", "--quiet",
+                    "--only-binary=:all:", "--index-url", img_index(), "--dest", str(dest),
+                    "flash-linear-attention==0.4.1", "fla-core==0.4.1"], check=True)
+    hashes = {w.name.split("-")[0].replace("_", "-"): _sha(w.read_bytes()) for w in dest.glob("*.whl")}
+    text = (REPO / "docker" / "requirements.lock").read_text()
+    out, skip = [], False
+    for line in text.splitlines():
+        name = line.split("==")[0]
+        if name in ("flash-linear-attention", "fla-core"):
+            out.append(f"{name}==0.4.1 \\\n    --hash=sha256:{hashes[name]}")
+            skip = True
+            continue
+        if skip and line.startswith("    --hash"):
+            continue
+        skip = False
+        out.append(line)
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("\n".join(out) + "\n")
+    assert parse_lock(lock.read_text())["fla-core"].version == "0.4.1"
+    return lock
+
+
+def img_index() -> str:
+    from backport.image_lock import INDEX_URL
+    return INDEX_URL
+
+
+@pytest.mark.skipif(os.environ.get("GDN_IMAGE_SLOW_TESTS") != "1",
+                    reason="rebuilds the deps layer (minutes, needs PyPI); set GDN_IMAGE_SLOW_TESTS=1")
+def test_build_refuses_a_wrong_fla_pin(client, tmp_path):
+    real = img.Inputs()
+    if (real.tree / "megatron").is_dir() and real.patch.is_file():
+        inputs = img.Inputs(lock=_fla_041_lock(tmp_path))
+    else:
+        good = REJECTED.replace("def g", "def f")
+        inputs = _synthetic_inputs(tmp_path, good, lock=_fla_041_lock(tmp_path))
+    with pytest.raises(img.BuildStepFailed) as info:
+        _build(client, inputs, tmp_path, "fla041")
+    err = info.value
+    assert err.step.startswith("capability")
+    text = str(err)
+    assert "flash-linear-attention==0.4.1 (want 0.4.2)" in text
+    assert "fla.ops.cp" in text
+    assert "requirements.in" in err.hint
+
+
+@pytest.fixture(scope="module")
+def built_image(client):
+    ref = f"{img.IMAGE_REPO}:cpu"
+    if not img.image_exists(client, ref):
+        pytest.skip(f"no {ref} image; build it with `make gate` (or `tools/image build --flavour cpu`)")
+    return ref
+
+
+def test_gate_passes_on_the_image(client, built_image):
+    report = img.run_gate(client, built_image, gpus=False)
+    assert report["ok"], report["reason"]
+    assert report["suite"]["passed"] > 0 and report["suite"]["failed"] == 0
+    assert report["versions"]["flash-linear-attention"] == "0.4.2"
+    assert report["versions"]["triton"] == "3.6.0"
+    assert report["pins"]["fla-core"] == "0.4.2"
+    assert report["patch_sha256"] == client.images.get(built_image).labels["io.gdn.patch.sha256"]
+
+
+def test_gate_refuses_a_run_with_no_test(client, built_image):
+    report = img.run_gate(client, built_image, gpus=False, pytest_args=["-k", "no_test_has_this_name"])
+    assert not report["ok"] and "ran no test" in report["reason"]
+    with pytest.raises(img.GateFailed, match="ran no test"):
+        img.require_gate_ok(report)
+
+
+def test_gate_refuses_the_unpatched_tree(client, built_image):
+    report = img.run_gate(client, built_image, gpus=False, environment={"GDN_TREE": "/opt/gdn/base"},
+                          pytest_args=["-x"])
+    assert not report["ok"]
+    assert report["suite"]["failed"] + report["suite"]["errors"] >= 1
+    with pytest.raises(img.GateFailed) as info:
+        img.require_gate_ok(report)
+    assert "step suite" in str(info.value) and "failing:" in str(info.value)
