@@ -295,7 +295,13 @@ def compare(got: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float, cos_
         rtol=rtol,
         cos_min=cos_min,
     )
-    rec["passed"] = bool(rec["finite"] and rec["worst_bound_ratio"] <= 1.0 and cos >= cos_min)
+    # The suite's gate is strict: every element within atol + rtol*|ref| AND the cosine.
+    rec["allclose"] = bool(rec["worst_bound_ratio"] <= 1.0)
+    rec["passed"] = bool(rec["finite"] and rec["allclose"] and cos >= cos_min)
+    # Upstream's rule for the same numbers (tests/unit_tests/transformer/test_attention.py at
+    # 5139086e): allclose, else cosine >= cos_min and relative L2 <= 0.1. Reported, not gated.
+    rec["upstream_rule_passed"] = bool(rec["finite"] and (
+        rec["allclose"] or (cos >= cos_min and rec["nrms"] <= 0.1)))
     return rec
 
 

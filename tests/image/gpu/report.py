@@ -52,6 +52,9 @@ def _worst(records):
         for name, c in (r.get("checks") or {}).items():
             w = e["checks"].setdefault(name, {"passed": True})
             w["passed"] = w["passed"] and bool(c.get("passed"))
+            if "upstream_rule_passed" in c:
+                w["upstream_rule_passed"] = w.get("upstream_rule_passed", True) and bool(
+                    c["upstream_rule_passed"])
             for fig in FIGURES:
                 if fig in c and c[fig] is not None:
                     w[fig] = max(w.get(fig, 0.0), float(c[fig]))
@@ -115,6 +118,11 @@ def main(argv=None):
         "counts": {
             "checks": len(worst),
             "failed": sum(not e["passed"] for e in worst.values()),
+            "failed_only_elementwise_but_pass_upstream_rule": sum(
+                not e["passed"] and bool(e["checks"]) and all(
+                    c.get("passed") or c.get("upstream_rule_passed") for c in e["checks"].values())
+                and not e.get("path_problems") and not e.get("error")
+                for e in worst.values()),
             "by_kind": _count_kinds(worst),
         },
         "results": worst,
