@@ -581,6 +581,9 @@ def classify_build_error(tracker: BuildTracker, base_image: str) -> ImageError:
         return BaseImageMissing(f"base image {base_image} is not on this machine and cannot be "
                                 f"pulled: {tracker.error or 'pull failed'}")
     detail = tracker.error or "the step failed"
+    own = [t.split("] ", 1)[1] for t in tracker.tail if t.startswith("error: [") and "] " in t]
+    if own:  # the script's own message says more than "returned a non-zero code"
+        detail = own[-1]
     if step.startswith("capability"):
         failed = [t for t in tracker.tail if "FAILED" in t]
         if failed:

@@ -262,7 +262,8 @@ def test_rejected_hunk_maps_to_patch_apply_with_tail():
     assert isinstance(err, img.BuildStepFailed) and err.exit_code == 9
     assert err.step == "patch-apply"
     text = str(err)
-    assert "failed at step patch-apply" in text and "Hunk #1 FAILED at 1." in text
+    assert "failed at step patch-apply: the patch does not apply with zero fuzz" in text
+    assert "Hunk #1 FAILED at 1." in text
     assert "tools/backport" in err.hint and text.rstrip().endswith(err.hint)
 
 
