@@ -84,7 +84,7 @@ def forward(
         assert cu_seqlens_q.shape[0] > 1, f"No packed sequence in {cu_seqlens_q=}"
     else:
         cu_seqlens_q = None
-    gdn_context_parallel.check_sequence_lengths(plan, cu_seqlens_q)
+    gdn_context_parallel.check_sequence_lengths(plan, cu_seqlens_q, self.conv_kernel_dim)
 
     # Kernel-side sequence metadata: global cu_seqlens, plus FLA's CP context on chunkwise.
     kernel_cu_seqlens = cu_seqlens_q

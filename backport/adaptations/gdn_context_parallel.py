@@ -171,19 +171,25 @@ def plan_linear_cp(
     return plan
 
 
-def check_sequence_lengths(plan: LinearCPPlan, cu_seqlens: Optional[torch.Tensor]) -> None:
-    """Require every sequence length to be divisible by 2*CP for chunkwise and all_gather.
+def check_sequence_lengths(
+    plan: LinearCPPlan, cu_seqlens: Optional[torch.Tensor], conv_kernel_size: int = 1
+) -> None:
+    """Require sequence lengths that the chunkwise and all_gather paths can split.
 
     FLA's ``build_cp_context`` silently drops tail tokens of a sequence that does not
-    split into 2*CP equal zigzag chunks, so this is checked up front.
+    split into 2*CP equal zigzag chunks, and FLA's CP conv needs every rank's contiguous
+    share (total tokens / CP) to hold the conv halo (kernel - 1 tokens); both are checked
+    up front.
 
     Args:
         plan: from :func:`plan_linear_cp`.
         cu_seqlens: global cumulative (padded) lengths, int32/int64 [num_seqs + 1], or None
             for SBHD (then ``plan.global_seq_len`` is checked).
+        conv_kernel_size: the GDN conv width (chunkwise halo check).
 
     Raises:
-        LinearCPError: a length not divisible by 2*CP.
+        LinearCPError: a length not divisible by 2*CP, or a chunkwise rank share shorter
+            than the conv halo.
     """
     if not (plan.chunkwise or plan.all_gather):
         return
@@ -198,6 +204,13 @@ def check_sequence_lengths(plan: LinearCPPlan, cu_seqlens: Optional[torch.Tensor
             f"linear_cp_mode={plan.mode!r} with CP={plan.size} needs every sequence length "
             f"divisible by 2*CP={divisor}; got {bad[:8]}. Pad each packed sequence to a "
             f"multiple of {divisor} (cu_seqlens_q_padded) or change CP."
+        )
+    share = sum(lengths) // plan.size
+    if plan.chunkwise and share < conv_kernel_size - 1:
+        raise LinearCPError(
+            f"linear_cp_mode='chunkwise' with CP={plan.size} gives each rank {share} tokens, fewer "
+            f"than the conv halo of {conv_kernel_size - 1}. Use fewer CP ranks for such short "
+            "micro-batches (dynamic CP) or linear_cp_mode='all_gather'."
         )
 
 

@@ -125,6 +125,12 @@ def _failfast_worker(rank, world, _):
             out[f"{mode}_thd_len_not_div_2cp"] = _attempt(
                 lambda m=m, psp=psp: m(x_thd, None, packed_seq_params=psp))
 
+        # chunkwise: a rank's contiguous share (2 tokens) shorter than the conv halo (kernel - 1)
+        tiny = H.Case("tiny_thd", 2 * world, [0, 2 * world], [2 * world])
+        assert H.GEOMETRIES["gqa_dk32_dv64"].conv - 1 > 2
+        out["chunkwise_share_below_conv_halo"] = _attempt(
+            lambda: m_chunk(torch.randn(2, 1, hidden), None, packed_seq_params=H.packed_seq_params(tiny, "cpu")))
+
         # dynamic CP: local_cp_size must equal cp_group.size(), in every mode
         ok = H.CASES["thd_unequal"]
         x_ok = torch.randn(ok.length // world, 1, hidden)
@@ -171,6 +177,7 @@ CASE_NAMES = [
     "chunkwise_deterministic",
     "chunkwise_inference_context",
     "chunkwise_sbhd_batch2",
+    "chunkwise_share_below_conv_halo",
     "chunkwise_sbhd_len_not_div_2cp",
     "chunkwise_thd_len_not_div_2cp",
     "all_gather_sbhd_len_not_div_2cp",
