@@ -176,3 +176,66 @@ def test_gate_refuses_the_unpatched_tree(client, built_image):
     with pytest.raises(img.GateFailed) as info:
         img.require_gate_ok(report)
     assert "step suite" in str(info.value) and "failing:" in str(info.value)
+
+
+TORCH_BASE = "gdn-torchbase:bookworm"
+TORCH_BASE_DOCKERFILE = """\
+# Stand-in for the NGC PyTorch base: torch in the system site-packages, and a pip
+# constraint file in PIP_CONSTRAINT that contradicts the lock (as NGC's does).
+FROM {base}
+COPY . /tmp/ctx/
+ENV PIP_CONSTRAINT=/etc/pip/constraint.txt
+RUN mkdir -p /etc/pip && echo "triton==3.5.0" > /etc/pip/constraint.txt \\
+ && python3 -m venv /tmp/bootstrap \\
+ && PIP_CONSTRAINT= PIP_CERT=$(ls /tmp/ctx/ca-bundle.crt 2>/dev/null || true) \\
+    /tmp/bootstrap/bin/pip install --no-cache-dir --target /usr/local/lib/python3.11/dist-packages \\
+    /tmp/ctx/{wheel} \\
+ && rm -rf /tmp/bootstrap /tmp/ctx \\
+ && python3 -c "import torch; print(torch.__version__)"
+"""
+
+
+def _torch_base(client, tmp_path: Path) -> str:
+    if img.image_exists(client, TORCH_BASE):
+        return TORCH_BASE
+    ctx = tmp_path / "torchbase"
+    ctx.mkdir()
+    wheel = img.CPU_TORCH_WHEEL
+    os.link(wheel, ctx / wheel.name) if os.stat(wheel).st_dev == os.stat(ctx).st_dev else \
+        __import__("shutil").copy2(wheel, ctx / wheel.name)
+    ca = img.host_ca_bundle()
+    if ca:
+        (ctx / "ca-bundle.crt").write_bytes(ca.read_bytes())
+    (ctx / "Dockerfile").write_text(TORCH_BASE_DOCKERFILE.format(base=img.CPU_BASE_IMAGE, wheel=wheel.name))
+    tracker = img.BuildTracker()
+    for chunk in client.api.build(path=str(ctx), tag=TORCH_BASE, decode=True, network_mode="host",
+                                  rm=True, forcerm=True, pull=False):
+        tracker.feed(chunk)
+    assert not tracker.error, "\n".join(tracker.tail)
+    return TORCH_BASE
+
+
+@pytest.mark.skipif(os.environ.get("GDN_IMAGE_SLOW_TESTS") != "1",
+                    reason="builds a torch stand-in base and a full image (minutes); set GDN_IMAGE_SLOW_TESTS=1")
+def test_cuda_flavour_path_on_a_torch_base(client, tmp_path):
+    """The cuda flavour's path (TORCH_FROM=base, torch from the base's site-packages, the
+    base's PIP_CONSTRAINT ignored) on a local stand-in for the NGC base: no CUDA here."""
+    real = img.Inputs()
+    if not ((real.tree / "megatron").is_dir() and real.patch.is_file()):
+        pytest.skip("needs build/tree/base and patches/latest (run `make patch`)")
+    base = _torch_base(client, tmp_path)
+    fl = img.FLAVOURS["cuda"]
+    pre = img.preflight(real, fl)
+    ctx = img.stage_context(real, fl, tmp_path / "ctx", img.host_ca_bundle())
+    args = img.build_args(fl, pre, base)
+    result = img.build_image(client, ctx, args, [f"{TEST_REPO}:cuda-path"])
+    assert result.labels["io.gdn.flavour"] == "cuda"
+    assert result.labels["org.opencontainers.image.base.name"] == base
+    out = client.containers.run(result.image_id, ["python", "-c", (
+        "import torch, triton, fla, json, pathlib; print(json.dumps({'torch': torch.__file__, "
+        "'triton': triton.__version__, 'fla': fla.__version__}))")], remove=True, network_mode="host")
+    seen = json.loads(out.decode().strip().splitlines()[-1])
+    assert seen["torch"].startswith("/usr/local/lib/python3.11/dist-packages/torch")
+    assert seen["triton"] == "3.6.0" and seen["fla"] == "0.4.2"
+    report = img.run_gate(client, result.image_id, gpus=False)
+    assert report["ok"], report["reason"]
