@@ -91,8 +91,9 @@ class BaseImageMissing(ImageError):
     """The base image is not local and cannot be pulled (no registry reachable)."""
 
     exit_code = 14
-    default_hint = ("Load the base image first (docker-py `images.load`, or `docker load`), "
-                    "or build the cpu flavour: `make image FLAVOUR=cpu`.")
+    default_hint = ("Where a registry is reachable, add --pull (`make image IMAGE_ARGS=--pull`); "
+                    "elsewhere load the base first (`docker load`), or build the cpu flavour: "
+                    "`make image IMAGE_FLAVOUR=cpu`.")
 
 
 class BuildStepFailed(ImageError):
@@ -427,6 +428,22 @@ def image_exists(client, ref: str) -> bool:
         return True
     except docker.errors.ImageNotFound:
         return False
+
+
+def pull_image(client, ref: str, on_line: Line = _quiet) -> None:
+    """Pull ``ref`` (streamed); raises :class:`BaseImageMissing` when the registry refuses."""
+    repo, _, tag = ref.rpartition(":") if ":" in ref.rsplit("/", 1)[-1] else (ref, "", "latest")
+    try:
+        for chunk in client.api.pull(repo, tag=tag, stream=True, decode=True):
+            if "error" in chunk:
+                raise BaseImageMissing(f"cannot pull {ref}: {chunk['error']}")
+            status = chunk.get("status")
+            if status and "progress" not in chunk:
+                on_line(f"{status} {chunk.get('id', '')}".rstrip())
+    except BaseImageMissing:
+        raise
+    except Exception as exc:  # APIError, connection errors
+        raise BaseImageMissing(f"cannot pull {ref}: {exc}") from exc
 
 
 def ensure_base_image(client, tag: str = CPU_BASE_IMAGE, work: Optional[Path] = None,

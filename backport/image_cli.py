@@ -66,6 +66,7 @@ def _build_options(f):
         click.option("--lock", type=click.Path(), help="Requirements lock [docker/requirements.lock]."),
         click.option("--torch-wheel", type=click.Path(), help=f"cpu torch wheel [{img.CPU_TORCH_WHEEL}]."),
         click.option("--no-cache", is_flag=True, help="Build every layer again."),
+        click.option("--pull", is_flag=True, help="Pull a missing base image (cuda flavour; needs a registry)."),
         click.option("--min-free-gb", type=float, default=25.0, show_default=True,
                      help="Refuse to start with less free disk under Docker's root."),
         click.option("--context-dir", type=click.Path(), default=None,
@@ -77,7 +78,7 @@ def _build_options(f):
 
 
 def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_cache, min_free_gb,
-             context_dir, client=None) -> img.BuildResult:
+             context_dir, pull=False, client=None) -> img.BuildResult:
     """Preflight, base image, context, build: the shared part of `build`, `gate`, `measure`."""
     fl = img.FLAVOURS[flavour]
     inputs = _inputs(tree, patch, manifest, lock, torch_wheel)
@@ -93,9 +94,11 @@ def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_c
         if made["created"]:
             say(f"==> [base-image] made {base} in {made['seconds']} s", "cyan")
     elif not img.image_exists(client, base):
-        raise img.BaseImageMissing(
-            f"base image {base} is not on this machine, and no registry can be reached from here "
-            f"(the {fl.name} flavour's build cannot run on this machine)")
+        if not pull:
+            raise img.BaseImageMissing(f"base image {base} is not on this machine (the build never pulls "
+                                       f"unless asked with --pull)")
+        say(f"==> [base-image] pulling {base}", "cyan")
+        img.pull_image(client, base, on_line=stream_line)
     ctx = Path(context_dir) if context_dir else img.REPO_ROOT / "build" / "image" / f"context-{fl.name}"
     img.stage_context(inputs, fl, ctx, img.host_ca_bundle())
     say(f"==> [context] staged {ctx}", "cyan")
