@@ -526,3 +526,53 @@ def test_apply_patch_script_refuses(tmp_path, case, step, words):
     out = result.stdout + result.stderr
     assert f"error: [{step}]" in out, out
     assert words in out, out
+
+
+# --------------------------------------------------------------------------- fake engine
+
+class _FakeAPI:
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self.calls = []
+
+    def pull(self, repo, tag=None, stream=False, decode=False):
+        self.calls.append((repo, tag))
+        return iter(self.chunks)
+
+
+class _FakeImages:
+    def __init__(self, present):
+        self.present = present
+
+    def get(self, ref):
+        import docker
+
+        if ref not in self.present:
+            raise docker.errors.ImageNotFound(ref)
+        return ref
+
+
+class _FakeClient:
+    def __init__(self, present=(), chunks=()):
+        self.images = _FakeImages(set(present))
+        self.api = _FakeAPI(list(chunks))
+
+
+def test_pull_refusal_maps_to_base_image_missing():
+    client = _FakeClient(chunks=[{"status": "Pulling from nvidia/pytorch"},
+                                 {"error": "dial tcp: lookup nvcr.io: no such host"}])
+    with pytest.raises(img.BaseImageMissing, match="cannot pull nvcr.io/nvidia/pytorch:25.12-py3"):
+        img.pull_image(client, "nvcr.io/nvidia/pytorch:25.12-py3")
+    assert client.api.calls == [("nvcr.io/nvidia/pytorch", "25.12-py3")]
+
+
+def test_ensure_base_image_is_a_no_op_when_present():
+    made = img.ensure_base_image(_FakeClient(present=[img.CPU_BASE_IMAGE]))
+    assert made == {"tag": img.CPU_BASE_IMAGE, "created": False, "seconds": 0.0}
+
+
+def test_ensure_base_image_needs_debootstrap(monkeypatch):
+    monkeypatch.setattr(img.shutil, "which", lambda name: None)
+    with pytest.raises(ImageError, match="debootstrap is not installed") as info:
+        img.ensure_base_image(_FakeClient())
+    assert "tools/dockerd-up" in info.value.hint
