@@ -3,7 +3,7 @@
 # which stages the build context; a plain `docker build .` of the repo root does
 # not work, because the tree, the patch and the wheels are generated files.
 #
-# Build context (staged by backport/image.py into build/image/context/):
+# Build context (staged by backport/image.py into build/image/context-<flavour>/):
 #   Dockerfile
 #   deps/requirements.lock   hash-pinned Python packages (docker/requirements.lock)
 #   deps/torch-cpu.lock      hash-pinned cpu torch wheel (cpu flavour only)
@@ -18,12 +18,13 @@
 #   patch/manifest.json      patches/latest/manifest.json
 #
 # Layer order: dependencies, then the pristine tree and the suite, then the patch,
-# so a changed patch rebuilds only the patch step, the final copy and the
-# capability check. Nothing is cloned from git during the build.
+# so a changed patch rebuilds only `COPY patch/`, the patch step, the final tree
+# copy, the capability check and the labels. Nothing is cloned from git.
 
 # cuda flavour (users): an NGC PyTorch image (torch 2.10, CPython 3.12; triton
 # 3.6.0 pairs with torch 2.10). cpu flavour (gating): a local Debian bookworm
-# base with python3.11, python3-venv and patch; `make image` makes it.
+# base with python3.11, python3-venv and patch; `tools/image base` makes it.
+# A base needs python3 (>= 3.10) with venv, and patch.
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3
 
 # ---------------------------------------------------------------------------
