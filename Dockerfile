@@ -35,6 +35,9 @@ FROM ${BASE_IMAGE} AS deps
 ARG TORCH_FROM=base
 COPY deps/ /opt/gdn/deps/
 RUN sh /opt/gdn/deps/install-deps.sh "${TORCH_FROM}"
+# Marks this stage's image so `tools/image prune` keeps it: it is the layer cache
+# of the slowest step, and untagged.
+LABEL io.gdn.stage="deps"
 
 # ---------------------------------------------------------------------------
 # src: the pristine tree, the suite and scripts, then the patch, checked against

@@ -221,11 +221,19 @@ def measure(out, **kw):
 
 
 @cli.command()
-def prune():
-    """Remove dangling images and stopped build containers (frees vfs disk)."""
+@click.option("--all", "everything", is_flag=True, help="Also remove the cached deps stages.")
+def prune(everything):
+    """Remove dangling images and stopped build containers (frees vfs disk).
+
+    Keeps the untagged deps stages (label io.gdn.stage=deps), the layer cache of the
+    slowest step, unless --all.
+    """
     client = img.docker_client()
     c = client.containers.prune()
-    i = client.images.prune(filters={"dangling": True})
+    filters = {"dangling": True}
+    if not everything:
+        filters["label!"] = "io.gdn.stage=deps"
+    i = client.images.prune(filters=filters)
     freed = (c.get("SpaceReclaimed") or 0) + (i.get("SpaceReclaimed") or 0)
     say(f"==> [prune] reclaimed {freed / 2**30:.1f} GiB", "cyan")
 

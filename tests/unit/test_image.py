@@ -159,6 +159,8 @@ def test_dockerfile_orders_layers_deps_tree_then_patch():
     assert idx["install-deps.sh"] < idx["COPY tree/"] < idx["COPY patch/"] < idx["apply-patch.sh"]
     assert idx["COPY --from=deps"] < idx["COPY --from=src"] < idx["capability_check.py"] < idx["LABEL"]
     assert "git clone" not in "\n".join(lines)
+    deps_label = next(i for i, l in enumerate(lines) if 'io.gdn.stage="deps"' in l)
+    assert idx["install-deps.sh"] < deps_label < next(i for i, l in enumerate(lines) if "AS src" in l)
 
 
 def test_image_tags(inputs):
