@@ -155,9 +155,9 @@ def test_dockerfile_orders_layers_deps_tree_then_patch():
     lines = [l for l in (REPO / "Dockerfile").read_text().splitlines() if l and not l.startswith("#")]
     idx = {key: next(i for i, l in enumerate(lines) if key in l) for key in (
         "install-deps.sh", "COPY tree/", "COPY patch/", "apply-patch.sh", "COPY --from=deps",
-        "COPY --from=src", "capability_check.py", "LABEL")}
+        "COPY --from=src", "capability_check.py", "LABEL org.opencontainers")}
     assert idx["install-deps.sh"] < idx["COPY tree/"] < idx["COPY patch/"] < idx["apply-patch.sh"]
-    assert idx["COPY --from=deps"] < idx["COPY --from=src"] < idx["capability_check.py"] < idx["LABEL"]
+    assert idx["COPY --from=deps"] < idx["COPY --from=src"] < idx["capability_check.py"] < idx["LABEL org.opencontainers"]
     assert "git clone" not in "\n".join(lines)
     deps_label = next(i for i, l in enumerate(lines) if 'io.gdn.stage="deps"' in l)
     assert idx["install-deps.sh"] < deps_label < next(i for i, l in enumerate(lines) if "AS src" in l)
