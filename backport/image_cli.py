@@ -198,7 +198,7 @@ def measure(out, **kw):
     img.write_json(probe / "manifest.json", manifest)
     kw.update(no_cache=False, patch=str(probe / "megatron.patch"), manifest=str(probe / "manifest.json"))
     say("==> [measure] rebuild after a one-line patch change", "bold")
-    re = do_build(client=client, **kw)
+    rebuilt = do_build(client=client, **kw)
     info = client.info()
     data = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -209,14 +209,15 @@ def measure(out, **kw):
         "cold": {"seconds": cold.seconds, "image_size_bytes": cold.size_bytes,
                  "steps": [{k: s[k] for k in ("number", "instruction", "cached", "seconds")} for s in cold.steps]},
         "rebuild_one_line_patch_change": {
-            "seconds": re.seconds,
-            "rebuilt_steps": [s["instruction"] for s in re.steps if not s["cached"]],
-            "cached_steps": re.cached_steps, "steps": len(re.steps),
-            "step_seconds": [{k: s[k] for k in ("number", "instruction", "cached", "seconds")} for s in re.steps],
+            "seconds": rebuilt.seconds,
+            "rebuilt_steps": [s["instruction"] for s in rebuilt.steps if not s["cached"]],
+            "cached_steps": rebuilt.cached_steps, "steps": len(rebuilt.steps),
+            "step_seconds": [{k: s[k] for k in ("number", "instruction", "cached", "seconds")}
+                             for s in rebuilt.steps],
         },
     }
     path = img.write_json(Path(out), data)
-    say(f"==> [measure] cold {cold.seconds} s, rebuild {re.seconds} s; {path}", "bold green")
+    say(f"==> [measure] cold {cold.seconds} s, rebuild {rebuilt.seconds} s; {path}", "bold green")
     click.echo(str(path))
 
 
