@@ -608,6 +608,12 @@ def classify_build_error(tracker: BuildTracker, base_image: str) -> ImageError:
     return BuildStepFailed(step, detail, list(tracker.tail))
 
 
+def rebuilt_layers(steps: list) -> list:
+    """Instructions of ``steps`` (dicts) that ran instead of coming from the cache."""
+    return [s["instruction"] for s in steps
+            if not s["cached"] and s["number"] > 1 and not s["instruction"].startswith("FROM ")]
+
+
 @dataclass
 class BuildResult:
     """What a build produced."""
@@ -620,6 +626,11 @@ class BuildResult:
     labels: dict
     size_bytes: int
     build_args: dict
+
+    @property
+    def rebuilt_steps(self) -> list:
+        """Instructions that made a new layer (FROM and the global ARG make none)."""
+        return rebuilt_layers(self.steps)
 
     @property
     def cached_steps(self) -> int:

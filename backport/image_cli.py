@@ -210,7 +210,7 @@ def measure(out, **kw):
                  "steps": [{k: s[k] for k in ("number", "instruction", "cached", "seconds")} for s in cold.steps]},
         "rebuild_one_line_patch_change": {
             "seconds": rebuilt.seconds,
-            "rebuilt_steps": [s["instruction"] for s in rebuilt.steps if not s["cached"]],
+            "rebuilt_steps": rebuilt.rebuilt_steps,
             "cached_steps": rebuilt.cached_steps, "steps": len(rebuilt.steps),
             "step_seconds": [{k: s[k] for k in ("number", "instruction", "cached", "seconds")}
                              for s in rebuilt.steps],

@@ -578,3 +578,11 @@ def test_ensure_base_image_needs_debootstrap(monkeypatch):
     with pytest.raises(ImageError, match="debootstrap is not installed") as info:
         img.ensure_base_image(_FakeClient())
     assert "tools/dockerd-up" in info.value.hint
+
+
+def test_rebuilt_layers_skip_from_and_global_arg():
+    steps = [{"number": 1, "instruction": "ARG BASE_IMAGE=x", "cached": False},
+             {"number": 2, "instruction": "FROM ${BASE_IMAGE} AS deps", "cached": False},
+             {"number": 3, "instruction": "COPY deps/ /opt/gdn/deps/", "cached": True},
+             {"number": 4, "instruction": "COPY patch/ /opt/gdn/patch/", "cached": False}]
+    assert img.rebuilt_layers(steps) == ["COPY patch/ /opt/gdn/patch/"]
