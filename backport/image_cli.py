@@ -78,7 +78,7 @@ def _build_options(f):
 
 
 def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_cache, min_free_gb,
-             context_dir, pull=False, client=None) -> img.BuildResult:
+             context_dir, pull=False, client=None, tags=None) -> img.BuildResult:
     """Preflight, base image, context, build: the shared part of `build`, `gate`, `measure`."""
     fl = img.FLAVOURS[flavour]
     inputs = _inputs(tree, patch, manifest, lock, torch_wheel)
@@ -103,7 +103,7 @@ def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_c
     img.stage_context(inputs, fl, ctx, img.host_ca_bundle())
     say(f"==> [context] staged {ctx}", "cyan")
     args = img.build_args(fl, pre, base)
-    tags = img.image_tags(fl, pre)
+    tags = tags or img.image_tags(fl, pre)
     result = img.build_image(client, ctx, args, tags, on_line=stream_line, nocache=no_cache)
     say(f"==> [build] {result.tags[0]} = {result.image_id[:19]} in {result.seconds} s "
         f"({result.cached_steps}/{len(result.steps)} steps cached)", "bold green")
@@ -180,14 +180,17 @@ def lock(torch_wheel):
 @_build_options
 @click.option("--out", type=click.Path(), default=str(RESULTS / "image-timings.json"), show_default=True)
 def measure(out, **kw):
-    """Time a cold build, then a rebuild after a one-line patch change; write the figures."""
+    """Time a cold build, then a rebuild after a one-line patch change; write the figures.
+
+    Tags gdn-megatron-measure:cold and :rebuild, so gdn-megatron:<flavour> stays the real image.
+    """
     import json
 
     client = img.docker_client()
     kw = dict(kw)
     kw["no_cache"] = True
     say("==> [measure] cold build (no layer cache)", "bold")
-    cold = do_build(client=client, **kw)
+    cold = do_build(client=client, tags=[f"{img.IMAGE_REPO}-measure:cold"], **kw)
     inputs = _inputs(kw["tree"], kw["patch"], kw["manifest"], kw["lock"], kw["torch_wheel"])
     probe = img.REPO_ROOT / "build" / "image" / "probe"
     probe.mkdir(parents=True, exist_ok=True)
@@ -198,7 +201,7 @@ def measure(out, **kw):
     img.write_json(probe / "manifest.json", manifest)
     kw.update(no_cache=False, patch=str(probe / "megatron.patch"), manifest=str(probe / "manifest.json"))
     say("==> [measure] rebuild after a one-line patch change", "bold")
-    rebuilt = do_build(client=client, **kw)
+    rebuilt = do_build(client=client, tags=[f"{img.IMAGE_REPO}-measure:rebuild"], **kw)
     info = client.info()
     data = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
