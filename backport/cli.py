@@ -1,7 +1,7 @@
 """Command line of the backport job (thin: parses flags, calls the engine, prints).
 
 Exit codes: 0 ok; 1 unexpected; 2 usage; 3 source; 4 pin; 5 recipe; 6 apply;
-7 verification; 8 --check mismatch; 9 image.
+7 verification; 8 --check mismatch; 9-14 image (see backport/image.py and the README).
 """
 
 from __future__ import annotations
