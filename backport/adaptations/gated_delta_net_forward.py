@@ -46,6 +46,9 @@ def forward(
         sp_size=self.sp_size,
         deterministic_mode=self.config.deterministic_mode,
         has_inference_context=inference_context is not None,
+        num_key_heads=self.num_key_heads,
+        num_value_heads=self.num_value_heads,
+        tp_size=self.tp_size,
     )
     # Heads are split over CP only on the headwise path; the other paths keep all TP heads.
     cp_size_headwise = plan.size if plan.headwise else 1

@@ -123,6 +123,9 @@ def plan_linear_cp(
     sp_size: int,
     deterministic_mode: bool,
     has_inference_context: bool,
+    num_key_heads: int,
+    num_value_heads: int,
+    tp_size: int,
 ) -> LinearCPPlan:
     """Resolve the CP group of this micro-batch and reject unsupported inputs.
 
@@ -137,10 +140,13 @@ def plan_linear_cp(
         batch: batch size of ``hidden_states``.
         sp_size: sequence-parallel size (TP size under sequence parallelism, else 1).
         deterministic_mode, has_inference_context: what chunkwise cannot run with.
+        num_key_heads, num_value_heads, tp_size: for the headwise head rule of the group
+            actually used (a dynamic CP group may differ from the static one).
 
     Raises:
-        LinearCPError: local_cp_size mismatch; chunkwise with deterministic mode, with an
-            inference context, or with SBHD input and batch > 1.
+        LinearCPError: local_cp_size mismatch; headwise with a group whose size does not
+            split the heads; chunkwise with deterministic mode, with an inference context,
+            or with SBHD input and batch > 1.
     """
     group = resolve_cp_group(static_cp_group, packed_seq_params)
     size = group.size() if group is not None else 1
@@ -151,6 +157,8 @@ def plan_linear_cp(
             "Set local_cp_size to cp_group.size() when building the micro-batch."
         )
     plan = LinearCPPlan(mode=mode, group=group, size=size, global_seq_len=local_seq_len * sp_size * size)
+    if plan.headwise:
+        check_linear_cp_geometry(mode, num_key_heads, num_value_heads, tp_size, size)
     if plan.chunkwise:
         if deterministic_mode:
             raise LinearCPError(
@@ -174,9 +182,10 @@ def plan_linear_cp(
 def check_sequence_lengths(
     plan: LinearCPPlan, cu_seqlens: Optional[torch.Tensor], conv_kernel_size: int = 1
 ) -> None:
-    """Require sequence lengths that the chunkwise and all_gather paths can split.
+    """Require sequence lengths that the CP paths can split.
 
-    FLA's ``build_cp_context`` silently drops tail tokens of a sequence that does not
+    Every packed sequence must split into 2*CP zigzag chunks (headwise THD too: its
+    per-sequence all-to-all divides the boundaries by CP). FLA's ``build_cp_context`` silently drops tail tokens of a sequence that does not
     split into 2*CP equal zigzag chunks, and FLA's CP conv needs every rank's contiguous
     share (total tokens / CP) to hold the conv halo (kernel - 1 tokens); both are checked
     up front.
@@ -191,7 +200,7 @@ def check_sequence_lengths(
         LinearCPError: a length not divisible by 2*CP, or a chunkwise rank share shorter
             than the conv halo.
     """
-    if not (plan.chunkwise or plan.all_gather):
+    if not (plan.chunkwise or plan.all_gather or (plan.headwise and cu_seqlens is not None)):
         return
     divisor = 2 * plan.size
     if cu_seqlens is None:
@@ -237,9 +246,9 @@ class _GatherZigzag(torch.autograd.Function):
     def backward(ctx, grad):
         (natural_index,) = ctx.saved_tensors
         group, seq_dim = ctx.group, ctx.seq_dim
-        stacked = torch.zeros_like(grad).index_copy(seq_dim, natural_index, grad)
+        stacked = grad.new_zeros(grad.shape).index_copy_(seq_dim, natural_index, grad)
         local_len = stacked.shape[seq_dim] // group.size()
-        if dist.get_backend(group) == "nccl" and seq_dim == 0:
+        if "nccl" in str(dist.get_backend(group)) and grad.is_cuda and seq_dim == 0:
             out = grad.new_empty((local_len,) + tuple(stacked.shape[1:]))
             dist.reduce_scatter_tensor(out, stacked.contiguous(), group=group)
             return out, None, None, None

@@ -121,6 +121,8 @@ def _failfast_worker(rank, world, _):
         for mode in ("chunkwise", "all_gather"):
             m, _ = _build(mode, group, cp=world)
             out[f"{mode}_sbhd_len_not_div_2cp"] = _attempt(lambda m=m: m(x_odd, None))
+        for mode in ("headwise", "chunkwise", "all_gather"):
+            m, _ = _build(mode, group, cp=world)
             psp = H.packed_seq_params(bad_thd, "cpu")
             out[f"{mode}_thd_len_not_div_2cp"] = _attempt(
                 lambda m=m, psp=psp: m(x_thd, None, packed_seq_params=psp))
@@ -182,6 +184,7 @@ CASE_NAMES = [
     "chunkwise_thd_len_not_div_2cp",
     "all_gather_sbhd_len_not_div_2cp",
     "all_gather_thd_len_not_div_2cp",
+    "headwise_thd_len_not_div_2cp",
     "init_auto_mode",
     "init_headwise_illegal_geometry",
 ]
@@ -229,3 +232,29 @@ def test_init_error_messages_name_the_modes(gloo_world):
         assert m in res["init_auto_mode"]["message"]
     msg = res["init_headwise_illegal_geometry"]["message"]
     assert "chunkwise" in msg and "all_gather" in msg
+
+
+class _FakeGroup:
+    """Stands in for a dynamic CP group: plan_linear_cp only asks for its size."""
+
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+def test_headwise_dynamic_group_that_cannot_split_heads_fails_fast():
+    """A dynamic CP group larger than the static one must still split the heads (headwise)."""
+    import pytest as _pytest
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.ssm import gdn_context_parallel as g
+
+    psp = PackedSeqParams(qkv_format="thd", cp_group=_FakeGroup(4), local_cp_size=4)
+    kwargs = dict(packed_seq_params=psp, local_seq_len=8, batch=1, sp_size=1,
+                  deterministic_mode=False, has_inference_context=False,
+                  num_key_heads=2, num_value_heads=6, tp_size=1)
+    with _pytest.raises(g.LinearCPError, match="chunkwise"):
+        g.plan_linear_cp("headwise", _FakeGroup(2), **kwargs)
+    # the same dynamic group is fine for the modes that keep all heads on each rank
+    assert g.plan_linear_cp("chunkwise", _FakeGroup(2), **kwargs).size == 4
