@@ -24,20 +24,8 @@ sys.path.insert(0, str(DOCKER))
 import capability_check  # noqa: E402
 
 BASE_PY = "def f():\n    # one\n    return 1\n"
-GOOD_PATCH = """\
---- a/megatron/core/mod.py
-+++ b/megatron/core/mod.py
-@@ -1,3 +1,4 @@
- def f():
-     # one
-+    # added comment
-     return 1
---- /dev/null
-+++ b/megatron/core/new_mod.py
-@@ -0,0 +1,2 @@
-+X = 1
-+Y = 2
-"""
+# Synthetic fixture patch (no upstream code), kept under tests/data/.
+GOOD_PATCH = (Path(__file__).resolve().parents[1] / "data" / "image" / "good.patch").read_text()
 
 
 def _sha(data: bytes) -> str:

@@ -71,15 +71,8 @@ def _build(client, inputs: img.Inputs, tmp_path: Path, tag: str) -> img.BuildRes
     return img.build_image(client, ctx, img.build_args(fl, pre), [f"{TEST_REPO}:{tag}"], on_line=lines.append)
 
 
-REJECTED = """\
---- a/megatron/core/mod.py
-+++ b/megatron/core/mod.py
-@@ -1,3 +1,4 @@
- def g():
-     # one
-+    # added
-     return 1
-"""
+# Synthetic fixture patch (no upstream code), kept under tests/data/.
+REJECTED = (Path(__file__).resolve().parents[1] / "data" / "image" / "rejected-hunk.patch").read_text()
 
 
 def test_build_refuses_a_patch_with_a_rejected_hunk(client, tmp_path):
