@@ -67,3 +67,32 @@ def test_kernel_gates_separate_right_from_wrong(gloo_world, broken):
         assert all(r["passed"] for r in records), [r["id"] for r in records if not r["passed"]]
     else:
         assert not any(r["passed"] for r in gated), [r["id"] for r in gated if r["passed"]]
+
+
+@pytest.mark.parametrize("case,passed,strict", [
+    ("equal", True, True),
+    ("one_element_past_bound_high_cosine", True, False),  # upstream's cosine fallback
+    ("low_cosine", False, False),
+    ("non_finite", False, False),
+])
+def test_compare_gate_is_upstreams_rule(case, passed, strict):
+    """``gdn_harness.compare`` gates with allclose, else cosine and relative L2 (upstream's rule);
+    the strict rule (allclose AND cosine) is reported beside it."""
+    need_torch()
+    import torch
+
+    import gdn_harness as H
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(4096, generator=g, dtype=torch.float64) * 10
+    got = ref.clone()
+    if case == "one_element_past_bound_high_cosine":
+        got[7] = ref[7] + 0.05 + 0.02 * ref[7].abs()  # past 2e-3 + 1e-2*|ref| at one element
+    elif case == "low_cosine":
+        got = ref + torch.randn(4096, generator=g, dtype=torch.float64) * 3
+    elif case == "non_finite":
+        got[0] = float("nan")
+    rec = H.compare(got, ref, atol=2e-3, rtol=1e-2, cos_min=0.9999)
+    assert rec["passed"] is passed and rec["strict_passed"] is strict
+    if case == "one_element_past_bound_high_cosine":
+        assert rec["worst_bound_ratio"] > 1 and rec["cosine"] >= 0.9999

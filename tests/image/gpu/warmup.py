@@ -78,3 +78,42 @@ def run(items, rank, world, device, log):
             _one(item, device)
     torch.cuda.synchronize(device)
     log(f"[rank {rank}] warm-up of {len(items[rank::world])} items took {time.time() - t:.1f}s")
+
+
+def _main(argv=None):
+    """Run one warm-up list on one GPU, item by item, printing each item before and after.
+
+        python tests/image/gpu/warmup.py --set module-a --shard 0/2
+
+    With ``CUDA_LAUNCH_BLOCKING=1`` a faulting kernel is reported at the item that launched
+    it, which is how a crash inside the warm-up is localised.
+    """
+    import argparse
+
+    ap = argparse.ArgumentParser(description=_main.__doc__)
+    ap.add_argument("--set", choices=["kernels", "module-a", "module-b", "oldnew"], required=True)
+    ap.add_argument("--shard", default="0/1", help="r/world: run items r, r+world, ...")
+    ap.add_argument("--device", type=int, default=0)
+    a = ap.parse_args(argv)
+    items = {"kernels": KERNEL_ITEMS, "module-a": MODULE_A_ITEMS, "module-b": MODULE_B_ITEMS,
+             "oldnew": OLDNEW_ITEMS}[a.set]
+    r, w = (int(v) for v in a.shard.split("/"))
+    device = torch.device("cuda", a.device)
+    torch.cuda.set_device(device)
+    for item in items[r::w]:
+        t = time.time()
+        print(f"start {item}", flush=True)
+        _one(item, device)
+        torch.cuda.synchronize(device)
+        print(f"done  {item} {time.time() - t:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+    import pathlib
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from autotune_policy import install
+
+    print("autotune policy:", install(), flush=True)
+    _main()
