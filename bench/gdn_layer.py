@@ -14,10 +14,17 @@ events around fwd+bwd (ranks aligned by a barrier before each repeat); the per-r
 time is the max over ranks. Peak allocated/reserved memory (max over ranks) is measured
 over the timed repeats after ``reset_peak_memory_stats``.
 
-Cost note (measured on 4x H200, FLA 0.4.2): the first configuration of a process pays
-~3 min of Triton compilation, and every new (mode, T) then pays ~50 s, because FLA's
-``causal_conv1d`` and ``l2norm`` kernels autotune on ``NB`` (number of blocks, i.e. on
-the sequence length). Budget ~1 min per configuration, or split the sweep over calls.
+Autotuning (``--autotune``): FLA's ``causal_conv1d`` and ``l2norm`` kernels autotune with
+``NB`` (number of 1024-token blocks, i.e. the sequence length) in their key, so every new
+(mode, T) re-ran ~50 s of compile-and-benchmark on 4x H200 (measured, FLA 0.4.2). The default
+``per-width`` drops ``NB`` from those keys: each kernel is tuned once per channel width, at the
+first (largest) length the sweep meets (lengths run in descending order), and that config is
+reused at other lengths (compiled once per length). ``full`` keeps FLA's keys. The GDN scan
+kernels are unaffected (their keys have no sequence length).
+
+Baseline (the old image's path): ``--tree build/tree/base --modes headwise --label old_headwise``
+with FLA 0.4.1 first on ``PYTHONPATH``; the base ``TransformerConfig`` has no
+``linear_cp_mode`` and only the headwise path, so the option is left out there.
 
 ``--cpu-smoke`` runs a tiny geometry on CPU with gloo and the FLA CPU stand-ins of
 ``tests/image/fla_emulation.py`` (plumbing check only; timings meaningless).
@@ -44,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--tree", default=os.environ.get("GDN_TREE", os.path.join(ROOT, "build/tree/patched")))
     p.add_argument("--out", default=os.path.join(ROOT, "results/bench/gdn_layer.json"))
     p.add_argument("--cp", default="2,4", help="comma-separated CP sizes")
-    p.add_argument("--seq", default="8192,16384,32768,65536", help="global sequence lengths")
+    p.add_argument("--seq", default="8192,16384,32768,65536,131072",
+                   help="global sequence lengths (run longest first; 128K where memory allows)")
     p.add_argument("--modes", default="headwise,all_gather,chunkwise,ideal")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
@@ -57,6 +65,10 @@ def parse_args(argv=None):
                    help="stop starting new configurations after this many seconds")
     p.add_argument("--profile", default="", help="write a torch.profiler breakdown of one chunkwise "
                    "step at P=max(cp), T=this global length (e.g. 32768) to <out>.profile.json")
+    p.add_argument("--label", default="", help="record the runs of --modes under this mode name "
+                   "(e.g. old_headwise for the base tree)")
+    p.add_argument("--autotune", choices=["per-width", "full"], default="per-width",
+                   help="FLA conv/l2norm autotuning: once per channel width, or FLA's per-length keys")
     p.add_argument("--cpu-smoke", action="store_true")
     return p.parse_args(argv)
 
@@ -91,6 +103,14 @@ def build_layer(args, mode, cp_size, pg_collection, torch, dtype):
 
     Norm = make_norm_class(torch)
 
+    import dataclasses
+
+    extra = {}
+    if "linear_cp_mode" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        extra["linear_cp_mode"] = mode
+    elif mode != "headwise":
+        raise ValueError(f"this tree has no linear_cp_mode, so only headwise runs (asked: {mode}); "
+                         "use the patched tree for other modes")
     config = TransformerConfig(
         num_layers=1,
         hidden_size=args.hidden,
@@ -102,7 +122,6 @@ def build_layer(args, mode, cp_size, pg_collection, torch, dtype):
         linear_value_head_dim=args.head_dim,
         linear_num_key_heads=args.key_heads,
         linear_num_value_heads=args.value_heads,
-        linear_cp_mode=mode,
         context_parallel_size=cp_size,
         tensor_model_parallel_size=1,
         params_dtype=dtype,
@@ -111,6 +130,7 @@ def build_layer(args, mode, cp_size, pg_collection, torch, dtype):
         layernorm_epsilon=1e-6,
         perform_initialization=not args.cpu_smoke,
         activation_func=torch.nn.functional.silu,
+        **extra,
     )
     sub = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=Norm, out_proj=RowParallelLinear)
     layer = GatedDeltaNet(config, sub, layer_number=1, pg_collection=pg_collection)
@@ -264,6 +284,8 @@ def profile_chunkwise(args, torch, dist, pg, cp_size, T, dtype, rank):
         dt = getattr(e, "device_time_total", None)
         if dt is None:
             dt = getattr(e, "cuda_time_total", 0)
+        if e.key.startswith("nccl:"):
+            continue  # the profiler's collective annotation: the same time as its ncclDevKernel
         if e.key.startswith("gdn::"):
             ranges[e.key] = {"device_ms": round(dt / 1e3, 4), "cpu_ms": round(e.cpu_time_total / 1e3, 4),
                              "calls": e.count}
@@ -299,8 +321,34 @@ def profile_chunkwise(args, torch, dist, pg, cp_size, T, dtype, rank):
     return res
 
 
+def install_autotune_policy(policy):
+    """``per-width``: drop ``NB`` (sequence-length blocks) from every Triton autotune key.
+
+    Must run before FLA is imported (its ``@triton.autotune`` decorators build the tuners at
+    import). Returns the policy applied. Source of the keys: FLA 0.4.2
+    ``fla/modules/conv/triton/kernels.py`` and ``fla/modules/l2norm.py`` (``key=[..., 'NB']``).
+    """
+    if policy != "per-width":
+        return policy
+    from triton.runtime import autotuner as at
+
+    if getattr(at.Autotuner, "_gdn_per_width", False):
+        return policy
+    orig_init = at.Autotuner.__init__
+
+    def __init__(self, *a, **k):
+        orig_init(self, *a, **k)
+        self.keys = [key for key in self.keys if key != "NB"]
+
+    at.Autotuner.__init__ = __init__
+    at.Autotuner._gdn_per_width = True
+    return policy
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if not args.cpu_smoke:
+        install_autotune_policy(args.autotune)
     sys.path.insert(0, args.tree)
     import torch
     import torch.distributed as dist
@@ -329,17 +377,18 @@ def main(argv=None):
         ctx.__enter__()
 
     cps = [int(c) for c in args.cp.split(",") if c]
-    seqs = [int(s) for s in args.seq.split(",") if s]
+    seqs = sorted((int(s) for s in args.seq.split(",") if s), reverse=True)
     modes = [m for m in args.modes.split(",") if m]
     t_start = time.time()
     result = {
         "meta": {
-            "layer": "megatron.core.ssm.gated_delta_net.GatedDeltaNet (patched tree)",
+            "layer": "megatron.core.ssm.gated_delta_net.GatedDeltaNet",
             "tree": os.path.relpath(args.tree, ROOT) if args.tree.startswith(ROOT) else args.tree,
             "world_size": world, "dtype": str(dtype), "layout": "SBHD, batch 1, zigzag shard per rank",
             "geometry": {"hidden": args.hidden, "key_heads": args.key_heads, "value_heads": args.value_heads,
                          "head_dim": args.head_dim, "conv_kernel": args.conv_kernel, "tp": 1},
-            "warmup": args.warmup, "repeats": args.repeats,
+            "warmup": args.warmup, "repeats": args.repeats, "autotune": args.autotune,
+            "label": args.label or None,
             "method": "CUDA events around forward+backward, barrier before each repeat, per-repeat max "
                       "over ranks; memory = max over ranks of torch.cuda.max_memory_allocated/"
                       "max_memory_reserved over the timed repeats (after empty_cache + reset). "
@@ -388,7 +437,7 @@ def main(argv=None):
                 try:
                     layer = build_layer(args, layer_mode, layer_cp, pg, torch, dtype)
                     times, mem = run_config(args, torch, dist, layer, T // P, args.repeats, args.warmup, dtype)
-                    rec = {"cp": P, "mode": mode, "T": T, "local_tokens": T // P}
+                    rec = {"cp": P, "mode": args.label if args.label and mode != "ideal" else mode, "T": T, "local_tokens": T // P}
                     rec.update(summarize(times, mem, T))
                     result["runs"].append(rec)
                     log(rank, f"P={P} {mode:10s} T={T:6d}: median {rec['median_ms']:.3f} ms "

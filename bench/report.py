@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
 """Ratios, RFC gates and plots from bench/gdn_layer.py output (CPU, matplotlib).
 
-    python bench/report.py results/bench/gdn_layer.json [--outdir results/bench]
+    python bench/report.py results/bench/gdn_layer.json [more.json ...] [--outdir results/bench]
 
-Writes <outdir>/gdn_layer_summary.json and gdn_layer_time.png / gdn_layer_memory.png
-(one line per mode, one panel per CP size). Configurations missing from the input are
-reported as not measured, never filled in.
+Several inputs are merged (e.g. the patched-tree sweep and the base-tree ``old_headwise``
+baseline); a later file's run replaces an earlier one of the same (CP, mode, T). Writes
+<outdir>/gdn_layer_summary.json, gdn_layer_summary.md (ratio table) and gdn_layer_time.png /
+gdn_layer_memory.png (one line per mode, one panel per CP size). Configurations missing from
+the inputs are reported as not measured, never filled in.
 """
 import argparse
 import json
 import os
 
+MODES = ("headwise", "all_gather", "chunkwise", "ideal", "old_headwise")
 GATES = {
     "chunkwise_vs_all_gather": "throughput ratio >= 1.10 OR peak-memory ratio <= 0.90",
     "chunkwise_vs_headwise": "throughput ratio >= 0.95 AND peak-memory ratio <= 1.05",
@@ -19,18 +22,19 @@ GATES = {
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("json")
+    ap.add_argument("json", nargs="+")
     ap.add_argument("--outdir", default=None)
     a = ap.parse_args()
-    outdir = a.outdir or os.path.dirname(os.path.abspath(a.json))
-    d = json.load(open(a.json))
-    runs = {(r["cp"], r["mode"], r["T"]): r for r in d["runs"]}
+    outdir = a.outdir or os.path.dirname(os.path.abspath(a.json[0]))
+    docs = [json.load(open(f)) for f in a.json]
+    d = docs[0]
+    runs = {(r["cp"], r["mode"], r["T"]): r for doc in docs for r in doc["runs"]}
     cps = sorted({k[0] for k in runs} | {2, 4})
     seqs = sorted({k[2] for k in runs} | {8192, 16384, 32768, 65536})
     rows, missing = [], []
     for P in cps:
         for T in seqs:
-            g = {m: runs.get((P, m, T)) for m in ("headwise", "all_gather", "chunkwise", "ideal")}
+            g = {m: runs.get((P, m, T)) for m in MODES}
             for m, r in g.items():
                 if r is None:
                     missing.append(f"P={P} {m} T={T}")
@@ -38,34 +42,45 @@ def main():
             row = {"cp": P, "T": T}
 
             def ratio(x, y, key):
-                return round(x[key] / y[key], 4) if x and y else None
+                return round(x[key] / y[key], 4) if x and y and y[key] else None
             row["chunkwise/all_gather throughput"] = ratio(c, ag, "tokens_per_s")
             row["chunkwise/all_gather peak_alloc"] = ratio(c, ag, "peak_alloc_mib")
             row["chunkwise/headwise throughput"] = ratio(c, hw, "tokens_per_s")
             row["chunkwise/headwise peak_alloc"] = ratio(c, hw, "peak_alloc_mib")
             row["chunkwise efficiency vs ideal"] = ratio(idl, c, "median_ms")
-            for m in ("headwise", "all_gather", "chunkwise", "ideal"):
+            row["chunkwise/old_headwise throughput"] = ratio(c, g["old_headwise"], "tokens_per_s")
+            row["chunkwise/old_headwise peak_alloc"] = ratio(c, g["old_headwise"], "peak_alloc_mib")
+            row["headwise/old_headwise throughput"] = ratio(hw, g["old_headwise"], "tokens_per_s")
+            for m in MODES:
                 row[f"{m} median_ms"] = g[m]["median_ms"] if g[m] else None
             t1, m1 = row["chunkwise/all_gather throughput"], row["chunkwise/all_gather peak_alloc"]
             row["gate chunkwise_vs_all_gather"] = (
-                None if t1 is None else bool(t1 >= 1.10 or m1 <= 0.90))
+                None if t1 is None else bool(t1 >= 1.10 or (m1 is not None and m1 <= 0.90)))
             t2, m2 = row["chunkwise/headwise throughput"], row["chunkwise/headwise peak_alloc"]
             row["gate chunkwise_vs_headwise"] = (
-                None if t2 is None else bool(t2 >= 0.95 and m2 <= 1.05))
+                None if t2 is None or m2 is None else bool(t2 >= 0.95 and m2 <= 1.05))
             rows.append(row)
-    summary = {"source": os.path.basename(a.json), "gates": GATES, "rows": rows,
-               "not_measured": missing, "meta": d.get("meta", {})}
+    profile = [_profile_summary(pr) for doc in docs for pr in doc.get("profile_chunkwise") or []]
+    summary = {"sources": [os.path.basename(f) for f in a.json], "gates": GATES, "rows": rows,
+               "not_measured": missing, "meta": [doc.get("meta", {}) for doc in docs],
+               "errors": [e for doc in docs for e in doc.get("errors", [])],
+               "profile_chunkwise": profile}
     with open(os.path.join(outdir, "gdn_layer_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
-    import matplotlib
+    _write_markdown(os.path.join(outdir, "gdn_layer_summary.md"), rows)
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("bench/report.py: matplotlib is missing, so no plots were drawn (the JSON and "
+                         "Markdown summaries were written); install it: pip install -e '.[bench]'")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     for what, key, ylabel in (("time", "median_ms", "fwd+bwd median ms (max over ranks)"),
                               ("memory", "peak_alloc_mib", "peak allocated MiB (max over ranks)")):
         fig, axes = plt.subplots(1, len(cps), figsize=(6 * len(cps), 4.2), squeeze=False)
         for ax, P in zip(axes[0], cps):
-            for m in ("headwise", "all_gather", "chunkwise", "ideal"):
+            for m in MODES:
                 pts = sorted((T, runs[(P, m, T)][key]) for T in seqs if (P, m, T) in runs)
                 if pts:
                     ax.plot([p[0] // 1024 for p in pts], [p[1] for p in pts], marker="o", label=m)
@@ -84,6 +99,44 @@ def main():
     for r in rows:
         print(r)
     print("not measured:", len(missing))
+
+
+def _profile_summary(pr):
+    """Device ms of one profiled chunkwise step (one rank), collectives counted once.
+
+    Earlier bench versions also counted the profiler's ``nccl:*`` annotations as kernels, which
+    doubled the collective time; here the collectives are re-summed from the kernel list
+    (``ncclDevKernel_*`` only) and the total is corrected by the annotations' time.
+    """
+    top = pr.get("top_kernels", [])
+    notes = sum(k["ms"] for k in top if k["name"].startswith("nccl:"))
+    coll = {}
+    for k in top:
+        if k["name"].startswith("ncclDevKernel_"):
+            kind = k["name"].split("(")[0].replace("ncclDevKernel_", "")
+            coll[kind] = round(coll.get(kind, 0.0) + k["ms"], 4)
+    return {"rank": pr["rank"], "cp": pr["cp"], "T": pr["T"],
+            "total_kernel_ms": round(pr["total_kernel_ms"] - notes, 4),
+            "collectives_ms": coll,
+            "ranges_device_ms": {k.replace("gdn::", ""): v["device_ms"] for k, v in pr["ranges"].items()
+                                 if v.get("device_ms")}}
+
+
+def _write_markdown(path, rows):
+    """The ratio table of the closing note: one line per (CP, T) with every measured ratio."""
+    cols = ["chunkwise/all_gather throughput", "chunkwise/all_gather peak_alloc",
+            "chunkwise/headwise throughput", "chunkwise/headwise peak_alloc",
+            "chunkwise efficiency vs ideal", "chunkwise/old_headwise throughput",
+            "gate chunkwise_vs_all_gather", "gate chunkwise_vs_headwise"]
+    fmt = lambda v: "n/a" if v is None else ("pass" if v is True else "FAIL" if v is False  # noqa: E731
+                                            else f"{v:.3f}")
+    lines = ["| CP | T | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 2)]
+    for r in rows:
+        if all(r[c] is None for c in cols):
+            continue
+        lines.append(f"| {r['cp']} | {r['T'] // 1024}K | " + " | ".join(fmt(r[c]) for c in cols) + " |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,19 @@ def _span(ctx: EmulatedCPContext, local_len: int):
     return slice(r * local_len, (r + 1) * local_len)
 
 
+# One entry per backward through the emulated conv: (is_contiguous, stride) of the output
+# gradient Megatron hands back, i.e. the ``dy`` the real FLA kernel would receive. FLA 0.4.2's
+# conv backward reads ``dy`` as a dense [B, T, D] tensor whatever its strides (FLA PR #871),
+# so the patched GDN must only ever pass a contiguous one.
+CONV_DY_LAYOUTS: list = []
+
+
+def _record_dy(y):
+    if y.requires_grad:
+        y.register_hook(lambda g: CONV_DY_LAYOUTS.append((g.is_contiguous(), tuple(g.stride()))))
+    return y
+
+
 def causal_conv1d(
     x,
     weight=None,
@@ -79,13 +92,13 @@ def causal_conv1d(
 ):
     assert residual is None and initial_state is None and not output_final_state
     if cp_context is None:
-        return ref.causal_conv1d_ref(x, weight, bias, activation, cu_seqlens), None
+        return _record_dy(ref.causal_conv1d_ref(x, weight, bias, activation, cu_seqlens)), None
     # gather in float32 so that the cross-rank gradient sum rounds once, like a real kernel
     full = _GatherContiguous.apply(x.float(), cp_context.group)
     w = weight.float()
     b = bias.float() if bias is not None else None
     y = ref.causal_conv1d_ref(full, w, b, activation, cp_context.cu_seqlens)
-    return y[:, _span(cp_context, x.shape[1])].to(x.dtype), None
+    return _record_dy(y[:, _span(cp_context, x.shape[1])].to(x.dtype)), None
 
 
 def chunk_gated_delta_rule(

@@ -126,3 +126,34 @@ def test_forward_writes_neither_module_nor_config(gloo_world):
         for mode, r in res.items():
             assert r["module_changed"] == [], (rank, mode, r)
             assert r["config_changed"] is False, (rank, mode)
+
+
+def _conv_dy_worker(rank, world, _):
+    import fla_emulation
+    import module_matrix
+
+    fla_emulation.CONV_DY_LAYOUTS.clear()
+    recs = module_matrix.run_matrix(rank, world, "cpu", emulate=True,
+                                    select=lambda rid: rid.startswith("gqa_dk32_dv64/")
+                                    and ("/sbhd/" in rid or "/thd_unequal/" in rid))
+    return {"ids": sorted({r["id"] for r in recs}), "layouts": list(fla_emulation.CONV_DY_LAYOUTS)}
+
+
+def test_conv_output_gradient_is_contiguous_in_every_mode(gloo_world):
+    """The gradient reaching ``causal_conv1d`` is dense in every mode, CP size and layout.
+
+    FLA 0.4.2's conv backward ignores ``dy``'s strides (fixed upstream in FLA PR #871): a
+    strided ``dy`` gives silently wrong conv gradients, or an out-of-bounds read. Megatron's
+    side of the graph decides those strides, so the emulated conv records them here.
+    """
+    need_tree()
+    need_fla()
+    res = gloo_world(_conv_dy_worker, 4, None, timeout=600)
+    ids = res[0]["ids"]
+    for mode in ("headwise", "all_gather", "chunkwise"):
+        for cp in ("cp2", "cp4"):
+            assert any(f"/{cp}/{mode}" in i for i in ids), f"no {cp} {mode} case ran: {ids}"
+    for rank, r in enumerate(res):
+        assert r["layouts"], f"rank {rank}: no backward reached the conv"
+        bad = [lay for lay in r["layouts"] if not lay[0]]
+        assert not bad, f"rank {rank}: strided conv output gradients {bad[:5]}"

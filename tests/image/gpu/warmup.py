@@ -57,18 +57,22 @@ def _one(item, device):
         g = F.logsigmoid(torch.randn(1, T, h, device=device)).requires_grad_()
         b = torch.rand(1, T, h, device=device, dtype=dtype).requires_grad_()
         o, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=b, cu_seqlens=cu if varlen else None)
-        o.float().sum().backward()
+        o.backward(torch.randn_like(o))
     elif kind == "conv":
         _, _, d, varlen = item
         x = torch.randn(1, T, d, device=device, dtype=dtype, requires_grad=True)
         w = torch.randn(d, 4, device=device, dtype=dtype, requires_grad=True)
         y, _ = causal_conv1d(x=x, weight=w, bias=None, activation="silu",
                              cu_seqlens=cu if varlen else None)
-        y.float().sum().backward()
+        # A dense output gradient, never ``y.sum().backward()``: in float32 that hands FLA 0.4.2's
+        # conv backward a 4-byte expanded dy, which its kernel reads as a full [B, T, D] tensor
+        # (out-of-bounds: the "illegal memory access" of runs 3-5 on 2 GPUs; FLA PR #871).
+        y.backward(torch.randn_like(y))
     else:
         _, _, d = item
         x = torch.randn(1, T, 4, d, device=device, dtype=dtype, requires_grad=True)
-        l2norm(x).float().sum().backward()
+        y = l2norm(x)
+        y.backward(torch.randn_like(y))
 
 
 def run(items, rank, world, device, log):
