@@ -36,6 +36,29 @@ test-unit: venv
 test-image: venv
 	$(PY) -m pytest tests/image -q -rs
 
+# ---- GPU host (tools/gpu-suite, tools/bench-gdn; docs/gpu.md) ---------------------
+# FLA wheels for the GPU host's Python (3.12 on the device tool's H200 hosts).
+GPU_PYTHON_VERSION ?= 3.12
+WHEEL_DL = $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION)
+
+.PHONY: wheels gpu-bundle gpu-suite
+
+.whl/fla042/.ok: | venv
+	$(WHEEL_DL) -d .whl/fla042 flash-linear-attention==0.4.2 fla-core==0.4.2
+	touch $@
+
+.whl/fla041/.ok: | venv
+	$(WHEEL_DL) -d .whl/fla041 flash-linear-attention==0.4.1 fla-core==0.4.1
+	touch $@
+
+wheels: .whl/fla042/.ok .whl/fla041/.ok  ## FLA 0.4.2 (patched tree) and 0.4.1 (base tree) wheels for the GPU host.
+
+gpu-bundle: wheels  ## dist/gdn-gpu-bundle.tgz: repo, both trees, patch, wheels, Triton caches.
+	tools/gpu-bundle
+
+gpu-suite:  ## On a 4-GPU host: the GPU part of the regression suite -> results/raw/gpu-suite.
+	tools/gpu-suite
+
 # ---- image (Dockerfile, docker-py) --------------------------------------------
 # Owned by the image pipeline (Dockerfile, docker/, backport/image*.py, tools/image).
 # Both targets need a Docker Engine; on a machine without one: `sudo tools/dockerd-up`

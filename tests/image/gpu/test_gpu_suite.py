@@ -25,9 +25,10 @@ def test_gpu_suite_passes(tmp_path):
                     "run tools/gpu-suite on a 4-GPU host")
     need_base_tree()
     wheels = os.environ.get("GDN_WHEELS", str(REPO / ".whl"))
-    if not any(p.endswith(".whl") for p in os.listdir(os.path.join(wheels, "fla041"))
-               if os.path.isdir(os.path.join(wheels, "fla041"))):
-        pytest.skip(f"no FLA 0.4.1/0.4.2 wheels under {wheels} (fla041/, fla042/)")
+    for sub in ("fla042", "fla041"):
+        d = os.path.join(wheels, sub)
+        if not (os.path.isdir(d) and any(p.endswith(".whl") for p in os.listdir(d))):
+            pytest.skip(f"no FLA wheels in {d}; run: make wheels")
     env = dict(os.environ, GDN_TREE=str(GDN_TREE), GDN_BASE_TREE=str(BASE_TREE),
                GDN_WHEELS=wheels, GDN_SUITE_WORK=str(tmp_path / "work"))
     proc = subprocess.run([str(REPO / "tools" / "gpu-suite"), str(tmp_path / "out")], env=env,
