@@ -49,7 +49,7 @@ MODES = ("headwise", "all_gather", "chunkwise")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", default=os.environ.get("GDN_TREE", os.path.join(ROOT, "build/tree/patched")))
-    p.add_argument("--out", default=os.path.join(ROOT, "results/bench/gdn_layer.json"))
+    p.add_argument("--out", default=os.path.join(ROOT, "results/raw/bench/gdn_layer.json"))
     p.add_argument("--cp", default="2,4", help="comma-separated CP sizes")
     p.add_argument("--seq", default="8192,16384,32768,65536,131072",
                    help="global sequence lengths (run longest first; 128K where memory allows)")
@@ -347,6 +347,9 @@ def install_autotune_policy(policy):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.label and len([m for m in args.modes.split(",") if m and m != "ideal"]) != 1:
+        raise SystemExit("gdn_layer.py: --label names one mode's runs; pass exactly one mode "
+                         "besides ideal in --modes (e.g. --modes headwise --label old_headwise)")
     if not args.cpu_smoke:
         install_autotune_policy(args.autotune)
     sys.path.insert(0, args.tree)
@@ -446,7 +449,8 @@ def main(argv=None):
                               f"({time.time() - t0:.1f}s)")
                 except Exception as e:  # record and continue (e.g. OOM)
                     msg = f"{type(e).__name__}: {e}"
-                    result["errors"].append({"cp": P, "mode": mode, "T": T, "error": msg[:2000]})
+                    result["errors"].append({"cp": P, "mode": args.label if args.label and mode != "ideal"
+                                             else mode, "T": T, "error": msg[:2000]})
                     log(rank, f"P={P} {mode} T={T}: ERROR {msg[:300]}")
                     if rank == 0:
                         traceback.print_exc()

@@ -129,7 +129,7 @@ def _write_markdown(path, rows):
             "chunkwise efficiency vs ideal", "chunkwise/old_headwise throughput",
             "gate chunkwise_vs_all_gather", "gate chunkwise_vs_headwise"]
     fmt = lambda v: "n/a" if v is None else ("pass" if v is True else "FAIL" if v is False  # noqa: E731
-                                            else f"{v:.3f}")
+                                            else f"{v:.4f}")
     lines = ["| CP | T | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 2)]
     for r in rows:
         if all(r[c] is None for c in cols):

@@ -69,15 +69,16 @@ def test_kernel_gates_separate_right_from_wrong(gloo_world, broken):
         assert not any(r["passed"] for r in gated), [r["id"] for r in gated if r["passed"]]
 
 
-@pytest.mark.parametrize("case,passed,strict", [
+@pytest.mark.parametrize("case,passed,upstream", [
     ("equal", True, True),
-    ("one_element_past_bound_high_cosine", True, False),  # upstream's cosine fallback
+    ("one_element_past_bound_high_cosine", False, True),  # upstream's cosine fallback only
+    ("high_cosine_but_relative_l2_over_limit", False, False),
     ("low_cosine", False, False),
-    ("non_finite", False, False),
+    ("non_finite_where_ref_is_zero", False, False),
 ])
-def test_compare_gate_is_upstreams_rule(case, passed, strict):
-    """``gdn_harness.compare`` gates with allclose, else cosine and relative L2 (upstream's rule);
-    the strict rule (allclose AND cosine) is reported beside it."""
+def test_compare_gate_is_strict_and_upstream_rule_is_reported(case, passed, upstream):
+    """``gdn_harness.compare`` gates with the frozen rule (allclose AND cosine, all finite);
+    upstream's rule (allclose, else cosine and relative L2 <= 0.1) is reported beside it."""
     need_torch()
     import torch
 
@@ -86,13 +87,22 @@ def test_compare_gate_is_upstreams_rule(case, passed, strict):
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(4096, generator=g, dtype=torch.float64) * 10
     got = ref.clone()
+    rel_l2_max = 0.1
     if case == "one_element_past_bound_high_cosine":
         got[7] = ref[7] + 0.05 + 0.02 * ref[7].abs()  # past 2e-3 + 1e-2*|ref| at one element
+    elif case == "high_cosine_but_relative_l2_over_limit":
+        got = ref * 1.5  # cosine 1.0, relative L2 0.5
     elif case == "low_cosine":
         got = ref + torch.randn(4096, generator=g, dtype=torch.float64) * 3
-    elif case == "non_finite":
-        got[0] = float("nan")
-    rec = H.compare(got, ref, atol=2e-3, rtol=1e-2, cos_min=0.9999)
-    assert rec["passed"] is passed and rec["strict_passed"] is strict
+    elif case == "non_finite_where_ref_is_zero":
+        ref[0] = 0.0
+        got = ref.clone()
+        got[0] = float("inf")
+    rec = H.compare(got, ref, atol=2e-3, rtol=1e-2, cos_min=0.9999, rel_l2_max=rel_l2_max)
+    assert rec["passed"] is passed and rec["upstream_rule_passed"] is upstream
     if case == "one_element_past_bound_high_cosine":
         assert rec["worst_bound_ratio"] > 1 and rec["cosine"] >= 0.9999
+    if case == "high_cosine_but_relative_l2_over_limit":
+        assert rec["cosine"] >= 0.9999 and rec["nrms"] > rel_l2_max
+    if case == "non_finite_where_ref_is_zero":
+        assert rec["finite"] is False

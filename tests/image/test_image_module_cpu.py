@@ -157,3 +157,40 @@ def test_conv_output_gradient_is_contiguous_in_every_mode(gloo_world):
         assert r["layouts"], f"rank {rank}: no backward reached the conv"
         bad = [lay for lay in r["layouts"] if not lay[0]]
         assert not bad, f"rank {rank}: strided conv output gradients {bad[:5]}"
+
+
+def _one_token_worker(rank, world, scale):
+    import fla_emulation as E
+    import module_matrix
+
+    orig = E.causal_conv1d
+
+    def conv(x, weight=None, bias=None, activation=None, cu_seqlens=None, cp_context=None, **kw):
+        y, s = orig(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens,
+                    cp_context=cp_context, **kw)
+        if cp_context is not None:  # BUG on purpose: one token per rank slightly off
+            y = y.clone()
+            y[:, 0] = y[:, 0] * scale
+        return y, s
+
+    E.causal_conv1d = conv
+    try:
+        recs = module_matrix.run_matrix(rank, world, "cpu", emulate=True,
+                                        select=lambda rid: rid.startswith("gqa_dk32_dv64/sbhd/cp2/chunkwise"))
+    finally:
+        E.causal_conv1d = orig
+    return [r for r in recs if r["kind"] == "cp_vs_ref"]
+
+
+def test_gate_catches_one_wrong_token_per_rank(gloo_world):
+    """A CP bug confined to one token per rank (conv output scaled by 0.97 there) fails the
+    frozen gate, although it passes upstream's cosine fallback: why the suite gates strictly."""
+    need_tree()
+    need_fla()
+    res = gloo_world(_one_token_worker, 4, 0.97, timeout=600)
+    recs = [r for part in res for r in part]
+    assert recs, "the chunkwise CP=2 case did not run"
+    for r in recs:
+        assert not r["passed"], f"{r['id']} rank {r['rank']}: a one-token error passed the gate"
+        bad = [c for c in r["checks"].values() if "upstream_rule_passed" in c and not c["passed"]]
+        assert bad and all(c["upstream_rule_passed"] for c in bad), r["checks"].keys()
