@@ -69,6 +69,10 @@ def parse_args(argv=None):
                    "(e.g. old_headwise for the base tree)")
     p.add_argument("--autotune", choices=["per-width", "full"], default="per-width",
                    help="FLA conv/l2norm autotuning: once per channel width, or FLA's per-length keys")
+    p.add_argument("--prepare-qkv", choices=["tree", "jit_fuser", "eager"], default="tree",
+                   help="how GatedDeltaNet._prepare_qkv_for_gated_delta_rule runs: as the tree has it "
+                        "(base: @jit_fuser, patched: @torch.compiler.disable), under megatron.core.jit."
+                        "jit_fuser, or eager (the old/new headwise split experiment)")
     p.add_argument("--cpu-smoke", action="store_true")
     return p.parse_args(argv)
 
@@ -94,6 +98,33 @@ def make_norm_class(torch):
                 return self.norm(x)
         _NORM = TorchRMSNorm
     return _NORM
+
+
+def set_prepare_qkv(policy):
+    """Rebind ``GatedDeltaNet._prepare_qkv_for_gated_delta_rule`` for the split experiment.
+
+    ``tree`` leaves the tree's decorator (base 5139086e~: ``@jit_fuser``, i.e. torch.compile;
+    patched: ``@torch.compiler.disable``, the preserved downstream fix). ``eager`` runs the
+    undecorated function, ``jit_fuser`` wraps it in ``megatron.core.jit.jit_fuser``.
+    Raises ValueError when the method carries no decorator to strip (nothing to compare).
+    """
+    if policy == "tree":
+        return
+    import inspect
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    name = "_prepare_qkv_for_gated_delta_rule"
+    decorated = GatedDeltaNet.__dict__[name]
+    raw = inspect.unwrap(decorated)
+    if raw is decorated:
+        raise ValueError(f"GatedDeltaNet.{name} has no decorator in this tree; --prepare-qkv "
+                         f"{policy} would measure the tree as is: use --prepare-qkv tree")
+    if policy == "jit_fuser":
+        from megatron.core.jit import jit_fuser
+
+        raw = jit_fuser(raw)
+    setattr(GatedDeltaNet, name, raw)
 
 
 def build_layer(args, mode, cp_size, pg_collection, torch, dtype):
@@ -379,6 +410,7 @@ def main(argv=None):
         ctx = fla_emulation.emulated_fla_in_megatron()
         ctx.__enter__()
 
+    set_prepare_qkv(args.prepare_qkv)
     cps = [int(c) for c in args.cp.split(",") if c]
     seqs = sorted((int(s) for s in args.seq.split(",") if s), reverse=True)
     modes = [m for m in args.modes.split(",") if m]
@@ -391,7 +423,7 @@ def main(argv=None):
             "geometry": {"hidden": args.hidden, "key_heads": args.key_heads, "value_heads": args.value_heads,
                          "head_dim": args.head_dim, "conv_kernel": args.conv_kernel, "tp": 1},
             "warmup": args.warmup, "repeats": args.repeats, "autotune": args.autotune,
-            "label": args.label or None,
+            "label": args.label or None, "prepare_qkv": args.prepare_qkv,
             "method": "CUDA events around forward+backward, barrier before each repeat, per-repeat max "
                       "over ranks; memory = max over ranks of torch.cuda.max_memory_allocated/"
                       "max_memory_reserved over the timed repeats (after empty_cache + reset). "

@@ -8,23 +8,32 @@ baseline); a later file's run replaces an earlier one of the same (CP, mode, T).
 <outdir>/gdn_layer_summary.json, gdn_layer_summary.md (ratio table) and gdn_layer_time.png /
 gdn_layer_memory.png (one line per mode, one panel per CP size). Configurations missing from
 the inputs are reported as not measured, never filled in.
+
+The headwise split experiment (old image's path against the new headwise) is reported beside
+the ratio table when its runs are present: ``old_headwise`` (base tree, FLA 0.4.1),
+``base_fla042`` (base tree, FLA 0.4.2: the dependency upgrade alone), ``headwise`` (patched
+tree, FLA 0.4.2) and ``headwise_qkv_compiled`` (the same with ``--prepare-qkv jit_fuser``).
+``--no-plots`` skips matplotlib.
 """
 import argparse
 import json
 import os
 
 MODES = ("headwise", "all_gather", "chunkwise", "ideal", "old_headwise")
+# labelled runs of the headwise split experiment (bench/gdn_layer.py --label ...), old to new
+SPLIT = ("old_headwise", "base_fla042", "headwise", "headwise_qkv_compiled")
 GATES = {
     "chunkwise_vs_all_gather": "throughput ratio >= 1.10 OR peak-memory ratio <= 0.90",
     "chunkwise_vs_headwise": "throughput ratio >= 0.95 AND peak-memory ratio <= 1.05",
 }
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("json", nargs="+")
     ap.add_argument("--outdir", default=None)
-    a = ap.parse_args()
+    ap.add_argument("--no-plots", action="store_true", help="write the JSON and Markdown only")
+    a = ap.parse_args(argv)
     outdir = a.outdir or os.path.dirname(os.path.abspath(a.json[0]))
     docs = [json.load(open(f)) for f in a.json]
     d = docs[0]
@@ -51,8 +60,14 @@ def main():
             row["chunkwise/old_headwise throughput"] = ratio(c, g["old_headwise"], "tokens_per_s")
             row["chunkwise/old_headwise peak_alloc"] = ratio(c, g["old_headwise"], "peak_alloc_mib")
             row["headwise/old_headwise throughput"] = ratio(hw, g["old_headwise"], "tokens_per_s")
-            for m in MODES:
-                row[f"{m} median_ms"] = g[m]["median_ms"] if g[m] else None
+            for m in MODES + SPLIT[1:]:
+                r = runs.get((P, m, T))
+                row[f"{m} median_ms"] = r["median_ms"] if r else None
+            split = {m: runs.get((P, m, T)) for m in SPLIT}
+            row["base_fla042/old_headwise time"] = ratio(split["base_fla042"], split["old_headwise"], "median_ms")
+            row["headwise/base_fla042 time"] = ratio(split["headwise"], split["base_fla042"], "median_ms")
+            row["headwise_qkv_compiled/headwise time"] = ratio(
+                split["headwise_qkv_compiled"], split["headwise"], "median_ms")
             t1, m1 = row["chunkwise/all_gather throughput"], row["chunkwise/all_gather peak_alloc"]
             row["gate chunkwise_vs_all_gather"] = (
                 None if t1 is None else bool(t1 >= 1.10 or (m1 is not None and m1 <= 0.90)))
@@ -69,6 +84,8 @@ def main():
         json.dump(summary, f, indent=1)
 
     _write_markdown(os.path.join(outdir, "gdn_layer_summary.md"), rows)
+    if a.no_plots:
+        return summary
     try:
         import matplotlib
     except ImportError:
@@ -80,7 +97,7 @@ def main():
                               ("memory", "peak_alloc_mib", "peak allocated MiB (max over ranks)")):
         fig, axes = plt.subplots(1, len(cps), figsize=(6 * len(cps), 4.2), squeeze=False)
         for ax, P in zip(axes[0], cps):
-            for m in MODES:
+            for m in MODES + SPLIT[1:]:
                 pts = sorted((T, runs[(P, m, T)][key]) for T in seqs if (P, m, T) in runs)
                 if pts:
                     ax.plot([p[0] // 1024 for p in pts], [p[1] for p in pts], marker="o", label=m)
@@ -99,6 +116,7 @@ def main():
     for r in rows:
         print(r)
     print("not measured:", len(missing))
+    return summary
 
 
 def _profile_summary(pr):
@@ -135,6 +153,17 @@ def _write_markdown(path, rows):
         if all(r[c] is None for c in cols):
             continue
         lines.append(f"| {r['cp']} | {r['T'] // 1024}K | " + " | ".join(fmt(r[c]) for c in cols) + " |")
+    split_cols = [f"{m} median_ms" for m in SPLIT] + [
+        "base_fla042/old_headwise time", "headwise/base_fla042 time", "headwise_qkv_compiled/headwise time"]
+    split_rows = [r for r in rows if sum(r[f"{m} median_ms"] is not None for m in SPLIT) >= 2]
+    if split_rows:
+        lines += ["", "Headwise split (median ms; time ratios > 1 mean slower): old image's path -> "
+                  "FLA upgrade -> patch -> patch with _prepare_qkv compiled", "",
+                  "| CP | T | " + " | ".join(split_cols) + " |", "|" + " --- |" * (len(split_cols) + 2)]
+        for r in split_rows:
+            lines.append(f"| {r['cp']} | {r['T'] // 1024}K | " + " | ".join(
+                (f"{r[c]:.2f}" if c.endswith("median_ms") and r[c] is not None else fmt(r[c]))
+                for c in split_cols) + " |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
