@@ -108,7 +108,8 @@ def main(argv=None):
     ap.add_argument("--dump-dir")
     ap.add_argument("--emulate", action="store_true")
     ap.add_argument("--no-warmup", action="store_true")
-    ap.add_argument("--warmup-set", choices=["module", "module-a", "module-b"], default="module",
+    ap.add_argument("--warmup-set", choices=["module", "module-a", "module-b", "module-c", "module-d"],
+                    default="module",
                     help="which compile warm-up list the module job uses")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -164,8 +165,7 @@ def main(argv=None):
         if not args.emulate and not args.no_warmup:
             import warmup
 
-            items = {"module": warmup.MODULE_ITEMS, "module-a": warmup.MODULE_A_ITEMS,
-                     "module-b": warmup.MODULE_B_ITEMS}[args.warmup_set]
+            items = warmup.SETS[args.warmup_set]
             warmup.run(items, rank, world, device, log)
             dist.barrier()
             phases["warmup_s"] = time.time() - t0

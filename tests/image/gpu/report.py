@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-JOBS = ("kernels", "kernels-edge", "module-a", "module-b", "oldnew")
+JOBS = ("kernels", "kernels-edge", "module-a", "module-b", "module-c", "module-d", "oldnew")
 FIGURES = ("max_abs_err", "worst_bound_ratio", "nrms")
 
 

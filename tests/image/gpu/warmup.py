@@ -24,21 +24,36 @@ MODULE_A_ITEMS = (
     + [("conv", F32, d, v) for d in (768, 384, 192) for v in (True, False)]
     + [("l2", F32, 32)]
 )
-# module-b: the headwise-illegal geometry, dynamic CP, recompute, spec build (THD)
+# module-b / module-c: the headwise-illegal geometry (dk = dv = 64, 6 value heads; 3 on the
+# headwise CP=2 path), SBHD (module-b) or THD (module-c), CP 1/2/4, every mode
 MODULE_B_ITEMS = (
-    [("gdn", F32, h, 64, 64, v) for h in (6, 3) for v in (True, False)]
-    + [("gdn", F32, h, 32, 64, True) for h in (8, 4, 2)]
-    + [("conv", F32, d, v) for d in (640, 320) for v in (True, False)]
-    + [("conv", F32, d, True) for d in (768, 384, 192)]
+    [("gdn", F32, h, 64, 64, False) for h in (6, 3)]
+    + [("conv", F32, d, False) for d in (640, 320)]
     + [("l2", F32, 32), ("l2", F32, 64)]
 )
-MODULE_ITEMS = MODULE_A_ITEMS + [i for i in MODULE_B_ITEMS if i not in MODULE_A_ITEMS]
+MODULE_C_ITEMS = (
+    [("gdn", F32, h, 64, 64, True) for h in (6, 3)]
+    + [("conv", F32, d, True) for d in (640, 320)]
+    + [("l2", F32, 32), ("l2", F32, 64)]
+)
+# module-d (4 GPUs): dynamic CP, recompute and the spec build, all THD on the gqa geometry
+MODULE_D_ITEMS = (
+    [("gdn", F32, h, 32, 64, True) for h in (8, 4, 2)]
+    + [("conv", F32, d, True) for d in (768, 384, 192)]
+    + [("l2", F32, 32)]
+)
+MODULE_ITEMS = list(dict.fromkeys(
+    MODULE_A_ITEMS + MODULE_B_ITEMS + MODULE_C_ITEMS + MODULE_D_ITEMS))
 # old-vs-new dumps: CP=1 and headwise CP=2/4 of the gqa geometry (either FLA version)
 OLDNEW_ITEMS = (
     [("gdn", F32, h, 32, 64, v) for h in (8, 4, 2) for v in (True, False)]
     + [("conv", F32, d, v) for d in (768, 384, 192) for v in (True, False)]
     + [("l2", F32, 32)]
 )
+# --warmup-set / --set names (tools/gpu-suite runs one module job per module-* set)
+SETS = {"kernels": KERNEL_ITEMS, "module": MODULE_ITEMS, "module-a": MODULE_A_ITEMS,
+        "module-b": MODULE_B_ITEMS, "module-c": MODULE_C_ITEMS, "module-d": MODULE_D_ITEMS,
+        "oldnew": OLDNEW_ITEMS}
 
 
 def _one(item, device):
@@ -95,12 +110,11 @@ def _main(argv=None):
     import argparse
 
     ap = argparse.ArgumentParser(description=_main.__doc__)
-    ap.add_argument("--set", choices=["kernels", "module-a", "module-b", "oldnew"], required=True)
+    ap.add_argument("--set", choices=sorted(SETS), required=True)
     ap.add_argument("--shard", default="0/1", help="r/world: run items r, r+world, ...")
     ap.add_argument("--device", type=int, default=0)
     a = ap.parse_args(argv)
-    items = {"kernels": KERNEL_ITEMS, "module-a": MODULE_A_ITEMS, "module-b": MODULE_B_ITEMS,
-             "oldnew": OLDNEW_ITEMS}[a.set]
+    items = SETS[a.set]
     r, w = (int(v) for v in a.shard.split("/"))
     device = torch.device("cuda", a.device)
     torch.cuda.set_device(device)
