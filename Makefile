@@ -15,7 +15,7 @@ TORCH_SPEC ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml requirements/verify.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q '$(TORCH_SPEC)'
-	$(PY) -m pip install -q -e '.[test,image]' -r requirements/verify.txt '$(TORCH_SPEC)'
+	$(PY) -m pip install -q -e '.[test,image,bench]' -r requirements/verify.txt '$(TORCH_SPEC)'
 	touch $@
 
 venv: $(VENV)/.installed

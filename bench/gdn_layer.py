@@ -115,7 +115,10 @@ def set_prepare_qkv(policy):
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
     name = "_prepare_qkv_for_gated_delta_rule"
-    decorated = GatedDeltaNet.__dict__[name]
+    decorated = GatedDeltaNet.__dict__.get(name)
+    if decorated is None:
+        raise ValueError(f"GatedDeltaNet defines no {name} in this tree; --prepare-qkv needs it: "
+                         "use --prepare-qkv tree")
     raw = inspect.unwrap(decorated)
     if raw is decorated:
         raise ValueError(f"GatedDeltaNet.{name} has no decorator in this tree; --prepare-qkv "
@@ -376,11 +379,26 @@ def install_autotune_policy(policy):
     return policy
 
 
+def check_label(args):
+    """Refuse runs that report.py would merge under a name they do not deserve.
+
+    ``--label`` names exactly one mode's runs and no ``ideal`` (an ideal run of another tree or
+    policy would replace the patched tree's CP=1 baseline); a ``--prepare-qkv`` other than
+    ``tree`` needs a label (it would replace the as-is runs). Raises SystemExit (argparse-style
+    exit 2 message on stderr) with the fix.
+    """
+    modes = [m for m in args.modes.split(",") if m]
+    if args.label and (len(modes) != 1 or modes[0] == "ideal"):
+        raise SystemExit("gdn_layer.py: --label names one mode's runs; pass exactly one mode and "
+                         "no ideal in --modes (e.g. --modes headwise --label old_headwise)")
+    if args.prepare_qkv != "tree" and not args.label:
+        raise SystemExit(f"gdn_layer.py: --prepare-qkv {args.prepare_qkv} changes the layer, so its runs "
+                         "need their own name: add --label (e.g. --label headwise_qkv_compiled)")
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if args.label and len([m for m in args.modes.split(",") if m and m != "ideal"]) != 1:
-        raise SystemExit("gdn_layer.py: --label names one mode's runs; pass exactly one mode "
-                         "besides ideal in --modes (e.g. --modes headwise --label old_headwise)")
+    check_label(args)
     if not args.cpu_smoke:
         install_autotune_policy(args.autotune)
     sys.path.insert(0, args.tree)

@@ -78,7 +78,36 @@ def test_report_split_table_orders_old_upgrade_patch_compiled(tmp_path, report):
     assert row["headwise/base_fla042 time"] == 1.05
     assert row["headwise_qkv_compiled/headwise time"] == round(84.0 / 88.2, 4)
     md = (tmp_path / "gdn_layer_summary.md").read_text()
-    assert "| 2 | 128K | 80.00 | 84.00 | 88.20 | 84.00 | 1.0500 | 1.0500 | 0.9524 |" in md
+    assert "| 2 | 128K | 80.00 | 84.00 | 88.20 | 84.00 | 1.1025 | 1.0500 | 1.0500 | 0.9524 |" in md
+
+
+def test_report_split_table_needs_a_split_run_and_names_unknown_labels(tmp_path, report, capsys):
+    T = 65536
+    f = _write(tmp_path / "s.json", [
+        _run("old_headwise", T, 80.0, 100), _run("headwise", T, 88.0, 100),
+        _run("headwise_eager_v2", T, 85.0, 100), {**_run("chunkwise", T, 90.0, 100), "peak_alloc_mib": None}])
+    s = report.main([f, "--outdir", str(tmp_path), "--no-plots"])
+    row = next(r for r in s["rows"] if r["cp"] == 2 and r["T"] == T)
+    assert row["headwise/old_headwise time"] == 1.1
+    assert row["chunkwise/headwise peak_alloc"] is None  # a missing figure is n/a, not a crash
+    assert "Headwise split" not in (tmp_path / "gdn_layer_summary.md").read_text()
+    assert s["not_reported_modes"] == ["headwise_eager_v2"]
+    assert "headwise_eager_v2" in capsys.readouterr().err
+
+
+def test_report_plots_one_line_per_mode(tmp_path, report, monkeypatch):
+    matplotlib = pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install -e '.[bench]')")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = []
+    monkeypatch.setattr(plt, "close", lambda fig: labels.append(
+        [ln.get_label() for ax in fig.axes for ln in ax.get_lines()]))
+    T = 131072
+    f = _write(tmp_path / "s.json", [_run(m, T, 80.0, 100) for m in report.PLOTTED])
+    report.main([f, "--outdir", str(tmp_path)])
+    assert (tmp_path / "gdn_layer_time.png").exists() and (tmp_path / "gdn_layer_memory.png").exists()
+    assert labels and all(sorted(ls) == sorted(report.PLOTTED) for ls in labels)
 
 
 @pytest.fixture
@@ -90,26 +119,20 @@ def fake_gdn(monkeypatch):
     def raw(self, x):
         return x + 1
 
-    def disable(fn):
-        @functools.wraps(fn)
-        def wrapper(*a, **k):
-            calls.append("decorated")
-            return fn(*a, **k)
-        return wrapper
+    def decorator(tag):  # a functools.wraps wrapper that records its calls
+        def decorate(fn):
+            @functools.wraps(fn)
+            def wrapper(*a, **k):
+                calls.append(tag)
+                return fn(*a, **k)
+            return wrapper
+        return decorate
 
-    cls = type("GatedDeltaNet", (), {"_prepare_qkv_for_gated_delta_rule": disable(raw)})
+    cls = type("GatedDeltaNet", (), {"_prepare_qkv_for_gated_delta_rule": decorator("decorated")(raw)})
     gdn = types.ModuleType("megatron.core.ssm.gated_delta_net")
     gdn.GatedDeltaNet = cls
     jit = types.ModuleType("megatron.core.jit")
-
-    def jit_fuser(fn):
-        @functools.wraps(fn)
-        def fused(*a, **k):
-            calls.append("jit_fuser")
-            return fn(*a, **k)
-        return fused
-
-    jit.jit_fuser = jit_fuser
+    jit.jit_fuser = decorator("jit_fuser")
     for name in ("megatron", "megatron.core", "megatron.core.ssm"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "megatron.core.ssm.gated_delta_net", gdn)
@@ -131,3 +154,20 @@ def test_prepare_qkv_policy_refuses_an_undecorated_method(fake_gdn):
     cls._prepare_qkv_for_gated_delta_rule = raw
     with pytest.raises(ValueError, match="use --prepare-qkv tree"):
         _load("gdn_layer").set_prepare_qkv("eager")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", "headwise,ideal", "--label", "old_headwise"], "no ideal"),
+    (["--modes", "headwise,chunkwise", "--label", "x"], "exactly one mode"),
+    (["--modes", "headwise", "--prepare-qkv", "jit_fuser"], "add --label"),
+])
+def test_bench_refuses_runs_that_would_replace_others(argv, message):
+    bench = _load("gdn_layer")
+    with pytest.raises(SystemExit, match=message):
+        bench.check_label(bench.parse_args(argv))
+
+
+def test_bench_accepts_a_labelled_policy_run():
+    bench = _load("gdn_layer")
+    bench.check_label(bench.parse_args(["--modes", "headwise", "--prepare-qkv", "jit_fuser",
+                                        "--label", "headwise_qkv_compiled"]))

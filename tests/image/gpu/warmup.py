@@ -29,12 +29,12 @@ MODULE_A_ITEMS = (
 MODULE_B_ITEMS = (
     [("gdn", F32, h, 64, 64, False) for h in (6, 3)]
     + [("conv", F32, d, False) for d in (640, 320)]
-    + [("l2", F32, 32), ("l2", F32, 64)]
+    + [("l2", F32, 64)]
 )
 MODULE_C_ITEMS = (
     [("gdn", F32, h, 64, 64, True) for h in (6, 3)]
     + [("conv", F32, d, True) for d in (640, 320)]
-    + [("l2", F32, 32), ("l2", F32, 64)]
+    + [("l2", F32, 64)]
 )
 # module-d (4 GPUs): dynamic CP, recompute and the spec build, all THD on the gqa geometry
 MODULE_D_ITEMS = (
