@@ -8,7 +8,9 @@ Run with torchrun on a multi-GPU host (see ``tools/bench-gdn``)::
 For every CP size P (default 2 and 4; the world is split into world/P CP groups that run
 concurrently, TP=1), every global sequence length T and every mode in
 headwise/all_gather/chunkwise, one layer runs forward+backward in bf16 on its rank's
-zigzag shard ``[T/P, 1, hidden]`` (SBHD, batch 1). "ideal" is the CP=1 layer on T/P
+zigzag shard ``[T/P, 1, hidden]`` (SBHD, batch 1; or, with ``--samples N``, packed THD of N
+equal samples, which makes the chunkwise path rebuild its route and ``cp_context`` from
+device-resident ``cu_seqlens`` every step). "ideal" is the CP=1 layer on T/P
 tokens with no communication. Per configuration: warm-ups, then repeats timed with CUDA
 events around fwd+bwd (ranks aligned by a barrier before each repeat); the per-repeat
 time is the max over ranks. Peak allocated/reserved memory (max over ranks) is measured
@@ -73,6 +75,10 @@ def parse_args(argv=None):
                    help="how GatedDeltaNet._prepare_qkv_for_gated_delta_rule runs: as the tree has it "
                         "(base: @jit_fuser, patched: @torch.compiler.disable), under megatron.core.jit."
                         "jit_fuser, or eager (the old/new headwise split experiment)")
+    p.add_argument("--samples", type=int, default=1,
+                   help="1: SBHD batch 1; N > 1: packed THD of N equal samples of T/N tokens each "
+                        "(cu_seqlens on the device, so the chunkwise route and cp_context are rebuilt "
+                        "every step, host syncs included); T/N must divide by 2*CP")
     p.add_argument("--cpu-smoke", action="store_true")
     return p.parse_args(argv)
 
@@ -219,13 +225,34 @@ class Timer:
             self.ms = self.e0.elapsed_time(self.e1)
 
 
-def run_config(args, torch, dist, layer, local_len, repeats, warmup, dtype):
+def packed_params(torch, T, samples, device):
+    """``PackedSeqParams`` for ``samples`` equal sequences of ``T // samples`` tokens (THD), or
+    None for ``samples == 1`` (SBHD). ``cu_seqlens`` are int32 on ``device``: [samples + 1]."""
+    if samples == 1:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    n = T // samples
+    cu = torch.arange(samples + 1, dtype=torch.int32, device=device) * n
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                           cu_seqlens_kv_padded=cu, max_seqlen_q=n, max_seqlen_kv=n)
+
+
+def check_samples(T, P, samples):
+    """Raise ValueError unless ``samples`` sequences of T/samples tokens each split into 2*P
+    zigzag chunks (the layout the patched GDN requires)."""
+    if samples < 1 or T % samples or (T // samples) % (2 * P):
+        raise ValueError(f"T={T} as {samples} samples does not split into 2*CP={2 * P} chunks per "
+                         "sample; pick --samples so that T/samples divides by 2*CP")
+
+
+def run_config(args, torch, dist, layer, local_len, repeats, warmup, dtype, psp=None):
     d = dev(torch, args)
     x = torch.randn(local_len, 1, args.hidden, device=d, dtype=dtype, requires_grad=True)
     gy = torch.randn(local_len, 1, args.hidden, device=d, dtype=dtype)
 
     def step():
-        out, _ = layer(x, None)
+        out, _ = layer(x, None, packed_seq_params=psp)
         out.backward(gy)
 
     for _ in range(warmup):
@@ -249,13 +276,37 @@ def run_config(args, torch, dist, layer, local_len, repeats, warmup, dtype):
     else:
         mem = [torch.cuda.max_memory_allocated() / 2**20, torch.cuda.max_memory_reserved() / 2**20,
                base_alloc / 2**20]
-    # max over ranks, per repeat and for memory
-    tt = torch.tensor(times + mem, dtype=torch.float64, device=d if not args.cpu_smoke else "cpu")
+    # one more step, untimed, counting the host syncs it makes (CUDA only)
+    syncs = -1.0 if args.cpu_smoke else float(count_host_syncs(torch, step))
+    # max over ranks, per repeat, for memory and for the sync count
+    tt = torch.tensor(times + mem + [syncs], dtype=torch.float64, device=d if not args.cpu_smoke else "cpu")
     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
     vals = tt.tolist()
-    times, mem = vals[:repeats], vals[repeats:]
+    times, mem = vals[:repeats], vals[repeats:repeats + 3] + [vals[-1]]
     del x, gy
     return times, mem
+
+
+def count_host_syncs(torch, step):
+    """Run ``step()`` once under ``torch.cuda.set_sync_debug_mode("warn")`` and return how many
+    synchronizing CUDA calls it made (D2H copies, ``.item()``, boolean-mask indexing, ...).
+
+    Every such call stalls the host until the GPU queue drains; on the chunkwise THD path they
+    come from rebuilding the zigzag route and FLA's ``cp_context`` each step, which PR #5664's
+    route cache would avoid. Returns an int >= 0. Not yet run on a GPU (added in session 3).
+    """
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
 def summarize(times, mem, tokens):
@@ -266,7 +317,9 @@ def summarize(times, mem, tokens):
         "median_ms": round(med, 4), "min_ms": round(s[0], 4), "p90_ms": round(p90, 4),
         "tokens_per_s": round(tokens / (med / 1e3), 1),
         "peak_alloc_mib": round(mem[0], 1), "peak_reserved_mib": round(mem[1], 1),
-        "steady_alloc_mib": round(mem[2], 1), "times_ms": [round(t, 4) for t in times],
+        "steady_alloc_mib": round(mem[2], 1),
+        "host_syncs_per_step": int(mem[3]) if len(mem) > 3 and mem[3] >= 0 else None,
+        "times_ms": [round(t, 4) for t in times],
     }
 
 
@@ -437,7 +490,8 @@ def main(argv=None):
         "meta": {
             "layer": "megatron.core.ssm.gated_delta_net.GatedDeltaNet",
             "tree": os.path.relpath(args.tree, ROOT) if args.tree.startswith(ROOT) else args.tree,
-            "world_size": world, "dtype": str(dtype), "layout": "SBHD, batch 1, zigzag shard per rank",
+            "world_size": world, "dtype": str(dtype), "layout": ("SBHD, batch 1" if args.samples == 1 else
+                                                     f"THD, {args.samples} equal samples") + ", zigzag shard per rank",
             "geometry": {"hidden": args.hidden, "key_heads": args.key_heads, "value_heads": args.value_heads,
                          "head_dim": args.head_dim, "conv_kernel": args.conv_kernel, "tp": 1},
             "warmup": args.warmup, "repeats": args.repeats, "autotune": args.autotune,
@@ -489,8 +543,11 @@ def main(argv=None):
                 t0 = time.time()
                 try:
                     layer = build_layer(args, layer_mode, layer_cp, pg, torch, dtype)
-                    times, mem = run_config(args, torch, dist, layer, T // P, args.repeats, args.warmup, dtype)
-                    rec = {"cp": P, "mode": args.label if args.label and mode != "ideal" else mode, "T": T, "local_tokens": T // P}
+                    check_samples(T, P, args.samples)
+                    psp = packed_params(torch, T // (P if mode == "ideal" else 1), args.samples, dev(torch, args))
+                    times, mem = run_config(args, torch, dist, layer, T // P, args.repeats, args.warmup, dtype, psp)
+                    rec = {"cp": P, "mode": args.label if args.label and mode != "ideal" else mode, "T": T,
+                           "local_tokens": T // P, "samples": args.samples}
                     rec.update(summarize(times, mem, T))
                     result["runs"].append(rec)
                     log(rank, f"P={P} {mode:10s} T={T:6d}: median {rec['median_ms']:.3f} ms "

@@ -39,6 +39,10 @@ def main(argv=None):
     outdir = a.outdir or os.path.dirname(os.path.abspath(a.json[0]))
     docs = [json.load(open(f)) for f in a.json]
     runs = {(r["cp"], r["mode"], r["T"]): r for doc in docs for r in doc.get("runs", [])}
+    layouts = sorted({r.get("samples", 1) for r in runs.values()})
+    if len(layouts) > 1:
+        raise SystemExit(f"bench/report.py: the inputs mix layouts (samples per run: {layouts}; 1 = SBHD, "
+                         "N > 1 = THD of N samples); report one layout at a time")
     unknown = sorted({k[1] for k in runs} - set(PLOTTED))
     if unknown:
         print(f"bench/report.py: runs labelled {', '.join(unknown)} are not part of any table or plot; "
@@ -85,6 +89,7 @@ def main(argv=None):
             rows.append(row)
     profile = [_profile_summary(pr) for doc in docs for pr in doc.get("profile_chunkwise") or []]
     summary = {"sources": [os.path.basename(f) for f in a.json], "gates": GATES, "rows": rows,
+               "samples": layouts[0] if layouts else None,
                "not_measured": missing, "not_reported_modes": unknown, "meta": [doc.get("meta", {}) for doc in docs],
                "errors": [e for doc in docs for e in doc.get("errors", [])],
                "profile_chunkwise": profile}
@@ -112,7 +117,8 @@ def main(argv=None):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("global sequence length (K tokens)")
             ax.set_ylabel(ylabel)
-            ax.set_title(f"GatedDeltaNet layer, CP={P}, bf16, SBHD b=1")
+            lay = "SBHD b=1" if not layouts or layouts[0] == 1 else f"THD {layouts[0]} samples"
+            ax.set_title(f"GatedDeltaNet layer, CP={P}, bf16, {lay}")
             ax.grid(True, alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend()

@@ -171,3 +171,47 @@ def test_bench_accepts_a_labelled_policy_run():
     bench = _load("gdn_layer")
     bench.check_label(bench.parse_args(["--modes", "headwise", "--prepare-qkv", "jit_fuser",
                                         "--label", "headwise_qkv_compiled"]))
+
+
+@pytest.mark.parametrize("T, P, samples, ok", [
+    (65536, 4, 1, True), (65536, 4, 8, True), (65536, 4, 3, False), (64, 4, 16, False), (64, 2, 16, True)])
+def test_bench_thd_samples_must_split_into_zigzag_chunks(T, P, samples, ok):
+    bench = _load("gdn_layer")
+    if ok:
+        bench.check_samples(T, P, samples)
+    else:
+        with pytest.raises(ValueError, match="divides by 2\\*CP"):
+            bench.check_samples(T, P, samples)
+
+
+def test_report_refuses_to_mix_sbhd_and_thd(tmp_path, report):
+    T = 32768
+    sbhd = _write(tmp_path / "sbhd.json", [_run("chunkwise", T, 20.0, 900)])  # no "samples": SBHD
+    thd = _write(tmp_path / "thd.json", [{**_run("headwise", T, 19.0, 900), "samples": 8}])
+    with pytest.raises(SystemExit, match="mix layouts"):
+        report.main([sbhd, thd, "--outdir", str(tmp_path), "--no-plots"])
+    assert report.main([thd, "--outdir", str(tmp_path), "--no-plots"])["samples"] == 8
+
+
+def test_host_sync_count_counts_sync_warnings_and_restores_the_mode():
+    import warnings
+
+    bench = _load("gdn_layer")
+    modes = []
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        synchronize=lambda: None, set_sync_debug_mode=modes.append))
+
+    def step():
+        for _ in range(3):  # what torch emits per synchronizing call in "warn" mode
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        warnings.warn("an unrelated warning", UserWarning)
+
+    assert bench.count_host_syncs(fake, step) == 3
+    assert modes == ["warn", "default"]
+
+    def failing():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        bench.count_host_syncs(fake, failing)
+    assert modes[-1] == "default"
