@@ -49,13 +49,18 @@ MODES = ("headwise", "all_gather", "chunkwise")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Fmt(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Fmt)
     p.add_argument("--tree", default=os.environ.get("GDN_TREE", os.path.join(ROOT, "build/tree/patched")))
     p.add_argument("--out", default=os.path.join(ROOT, "results/raw/bench/gdn_layer.json"))
     p.add_argument("--cp", default="2,4", help="comma-separated CP sizes")
-    p.add_argument("--seq", default="8192,16384,32768,65536,131072",
-                   help="global sequence lengths (run longest first; 128K where memory allows)")
-    p.add_argument("--modes", default="headwise,all_gather,chunkwise,ideal")
+    p.add_argument("--seq", default=None,
+                   help="global sequence lengths, run longest first (default 8192,...,131072; "
+                        "with --cpu-smoke 512)")
+    p.add_argument("--modes", default="headwise,all_gather,chunkwise,ideal",
+                   help="comma-separated: headwise, all_gather, chunkwise, ideal (the CP=1 layer on T/P tokens)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--hidden", type=int, default=4096)
@@ -432,6 +437,17 @@ def install_autotune_policy(policy):
     return policy
 
 
+def _patch_sha256():
+    """sha256 of patches/latest/megatron.patch (the patch the measured tree was built from), or None."""
+    import hashlib
+
+    path = os.path.join(ROOT, "patches", "latest", "megatron.patch")
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def check_label(args):
     """Refuse runs that report.py would merge under a name they do not deserve.
 
@@ -451,6 +467,8 @@ def check_label(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.seq is None:  # --cpu-smoke runs the full geometry, so keep its sequence tiny
+        args.seq = "512" if args.cpu_smoke else "8192,16384,32768,65536,131072"
     check_label(args)
     if not args.cpu_smoke:
         install_autotune_policy(args.autotune)
@@ -501,7 +519,8 @@ def main(argv=None):
                       "max_memory_reserved over the timed repeats (after empty_cache + reset). "
                       "World split into world/P concurrent CP groups. ideal = CP=1 layer on T/P tokens.",
             "torch": torch.__version__, "cpu_smoke": args.cpu_smoke,
-            "host": platform.node(),
+            "host": platform.node(), "samples": args.samples, "argv": sys.argv[1:],
+            "patch_sha256": _patch_sha256(),
             "gpu": (torch.cuda.get_device_name() if not args.cpu_smoke else "cpu"),
         },
         "runs": [], "skipped": [], "errors": [],

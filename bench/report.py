@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Ratios, RFC gates and plots from bench/gdn_layer.py output (CPU, matplotlib).
 
-    python bench/report.py results/bench/gdn_layer.json [more.json ...] [--outdir results/bench]
+    python bench/report.py RUN.json [MORE.json ...] [--outdir DIR] [--no-plots]
+
+DIR defaults to the first input's folder and is created if missing.
 
 Several inputs are merged (e.g. the patched-tree sweep and the base-tree ``old_headwise``
 baseline); a later file's run replaces an earlier one of the same (CP, mode, T). Writes
@@ -37,6 +39,7 @@ def main(argv=None):
     ap.add_argument("--no-plots", action="store_true", help="write the JSON and Markdown only")
     a = ap.parse_args(argv)
     outdir = a.outdir or os.path.dirname(os.path.abspath(a.json[0]))
+    os.makedirs(outdir, exist_ok=True)
     docs = [json.load(open(f)) for f in a.json]
     runs = {(r["cp"], r["mode"], r["T"]): r for doc in docs for r in doc.get("runs", [])}
     layouts = sorted({r.get("samples", 1) for r in runs.values()})
@@ -97,6 +100,8 @@ def main(argv=None):
         json.dump(summary, f, indent=1)
 
     _write_markdown(os.path.join(outdir, "gdn_layer_summary.md"), rows)
+    print(open(os.path.join(outdir, "gdn_layer_summary.md")).read(), end="")
+    print(f"not measured: {len(missing)} configurations (listed in gdn_layer_summary.json)")
     if a.no_plots:
         return summary
     try:
@@ -127,9 +132,6 @@ def main(argv=None):
         fig.tight_layout()
         fig.savefig(os.path.join(outdir, f"gdn_layer_{what}.png"), dpi=110)
         plt.close(fig)
-    for r in rows:
-        print(r)
-    print("not measured:", len(missing))
     return summary
 
 
