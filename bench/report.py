@@ -99,8 +99,7 @@ def main(argv=None):
     with open(os.path.join(outdir, "gdn_layer_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
-    _write_markdown(os.path.join(outdir, "gdn_layer_summary.md"), rows)
-    print(open(os.path.join(outdir, "gdn_layer_summary.md")).read(), end="")
+    print(_write_markdown(os.path.join(outdir, "gdn_layer_summary.md"), rows), end="")
     print(f"not measured: {len(missing)} configurations (listed in gdn_layer_summary.json)")
     if a.no_plots:
         return summary
@@ -157,7 +156,8 @@ def _profile_summary(pr):
 
 
 def _write_markdown(path, rows):
-    """The ratio table of the closing note: one line per (CP, T) with every measured ratio."""
+    """The ratio table of the closing note: one line per (CP, T) with every measured ratio.
+    Writes it to ``path`` and returns the text."""
     cols = ["chunkwise/all_gather throughput", "chunkwise/all_gather peak_alloc",
             "chunkwise/headwise throughput", "chunkwise/headwise peak_alloc",
             "chunkwise efficiency vs ideal", "chunkwise/old_headwise throughput",
@@ -183,8 +183,10 @@ def _write_markdown(path, rows):
             lines.append(f"| {r['cp']} | {r['T'] // 1024}K | " + " | ".join(
                 (f"{r[c]:.2f}" if c.endswith("median_ms") and r[c] is not None else fmt(r[c]))
                 for c in split_cols) + " |")
+    text = "\n".join(lines) + "\n"
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(text)
+    return text
 
 
 if __name__ == "__main__":
