@@ -114,7 +114,7 @@ def make_norm_class(torch):
 def set_prepare_qkv(policy):
     """Rebind ``GatedDeltaNet._prepare_qkv_for_gated_delta_rule`` for the split experiment.
 
-    ``tree`` leaves the tree's decorator (base 5139086e~: ``@jit_fuser``, i.e. torch.compile;
+    ``tree`` leaves the tree's decorator (base tree, MCore 85bced0a: ``@jit_fuser``, i.e. torch.compile;
     patched: ``@torch.compiler.disable``, the preserved downstream fix). ``eager`` runs the
     undecorated function, ``jit_fuser`` wraps it in ``megatron.core.jit.jit_fuser``.
     Raises ValueError when the method carries no decorator to strip (nothing to compare).
@@ -287,9 +287,9 @@ def run_config(args, torch, dist, layer, local_len, repeats, warmup, dtype, psp=
     tt = torch.tensor(times + mem + [syncs], dtype=torch.float64, device=d if not args.cpu_smoke else "cpu")
     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
     vals = tt.tolist()
-    times, mem = vals[:repeats], vals[repeats:repeats + 3] + [vals[-1]]
+    times, mem, syncs = vals[:repeats], vals[repeats:-1], vals[-1]
     del x, gy
-    return times, mem
+    return times, mem, (int(syncs) if syncs >= 0 else None)
 
 
 def count_host_syncs(torch, step):
@@ -314,7 +314,7 @@ def count_host_syncs(torch, step):
     return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
-def summarize(times, mem, tokens):
+def summarize(times, mem, tokens, host_syncs=None):
     s = sorted(times)
     med = statistics.median(s)
     p90 = s[min(len(s) - 1, int(math.ceil(0.9 * len(s))) - 1)]
@@ -323,7 +323,7 @@ def summarize(times, mem, tokens):
         "tokens_per_s": round(tokens / (med / 1e3), 1),
         "peak_alloc_mib": round(mem[0], 1), "peak_reserved_mib": round(mem[1], 1),
         "steady_alloc_mib": round(mem[2], 1),
-        "host_syncs_per_step": int(mem[3]) if len(mem) > 3 and mem[3] >= 0 else None,
+        "host_syncs_per_step": host_syncs,
         "times_ms": [round(t, 4) for t in times],
     }
 
@@ -564,10 +564,11 @@ def main(argv=None):
                     layer = build_layer(args, layer_mode, layer_cp, pg, torch, dtype)
                     check_samples(T, P, args.samples)
                     psp = packed_params(torch, T // (P if mode == "ideal" else 1), args.samples, dev(torch, args))
-                    times, mem = run_config(args, torch, dist, layer, T // P, args.repeats, args.warmup, dtype, psp)
+                    times, mem, syncs = run_config(args, torch, dist, layer, T // P, args.repeats, args.warmup,
+                                                   dtype, psp)
                     rec = {"cp": P, "mode": args.label if args.label and mode != "ideal" else mode, "T": T,
                            "local_tokens": T // P, "samples": args.samples}
-                    rec.update(summarize(times, mem, T))
+                    rec.update(summarize(times, mem, T, syncs))
                     result["runs"].append(rec)
                     log(rank, f"P={P} {mode:10s} T={T:6d}: median {rec['median_ms']:.3f} ms "
                               f"min {rec['min_ms']:.3f} p90 {rec['p90_ms']:.3f} "
