@@ -67,8 +67,10 @@ def _build_options(f):
         click.option("--torch-wheel", type=click.Path(), help=f"cpu torch wheel [{img.CPU_TORCH_WHEEL}]."),
         click.option("--no-cache", is_flag=True, help="Build every layer again."),
         click.option("--pull", is_flag=True, help="Pull a missing base image (cuda flavour; needs a registry)."),
-        click.option("--min-free-gb", type=float, default=25.0, show_default=True,
-                     help="Refuse to start with less free disk under Docker's root."),
+        click.option("--min-free-gb", type=float, default=None,
+                     help="Refuse to start with less free disk (GiB) under Docker's root "
+                          f"[by storage driver: {', '.join(f'{d} {g:g}' for d, g in sorted(img.MIN_FREE_GIB.items()))}; "
+                          f"others {img.DEFAULT_MIN_FREE_GIB:g}]."),
         click.option("--context-dir", type=click.Path(), default=None,
                      help="Where to stage the build context [build/image/context-<flavour>]."),
     ]
@@ -86,8 +88,9 @@ def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_c
     say(f"==> [preflight] patch {pre.patch_name} sha256 {pre.patch_sha256[:12]}, {pre.hunks} hunks; "
         f"flavour {fl.name}", "cyan")
     client = client or img.docker_client()
-    free = img.check_disk(img.docker_root_dir(client), min_free_gb)
-    say(f"==> [preflight] {free:.0f} GiB free under {img.docker_root_dir(client)}", "cyan")
+    root, driver = img.docker_storage(client)
+    free = img.check_disk(root, min_free_gb, driver)
+    say(f"==> [preflight] {free:.0f} GiB free under {root} (storage driver {driver})", "cyan")
     base = base_image or fl.base_image
     if fl.name == "cpu" and base == img.CPU_BASE_IMAGE:
         made = img.ensure_base_image(client, base, on_line=stream_line)
@@ -188,20 +191,22 @@ def measure(out, **kw):
 
     client = img.docker_client()
     kw = dict(kw)
-    kw["no_cache"] = True
-    say("==> [measure] cold build (no layer cache)", "bold")
-    cold = do_build(client=client, tags=[f"{img.IMAGE_REPO}-measure:cold"], **kw)
-    inputs = _inputs(kw["tree"], kw["patch"], kw["manifest"], kw["lock"], kw["torch_wheel"])
-    probe = img.REPO_ROOT / "build" / "image" / "probe"
-    probe.mkdir(parents=True, exist_ok=True)
-    changed = img.one_line_change(inputs.patch.read_text())
-    (probe / "megatron.patch").write_text(changed)
-    manifest = json.loads(inputs.manifest.read_text())
-    manifest.setdefault("patch", {})["sha256"] = img.sha256_file(probe / "megatron.patch")
-    img.write_json(probe / "manifest.json", manifest)
-    kw.update(no_cache=False, patch=str(probe / "megatron.patch"), manifest=str(probe / "manifest.json"))
-    say("==> [measure] rebuild after a one-line patch change", "bold")
-    rebuilt = do_build(client=client, tags=[f"{img.IMAGE_REPO}-measure:rebuild"], **kw)
+    root, _driver = img.docker_storage(client)
+    with img.DiskPeak(root) as disk:
+        kw["no_cache"] = True
+        say("==> [measure] cold build (no layer cache)", "bold")
+        cold = do_build(client=client, tags=[f"{img.IMAGE_REPO}-measure:cold"], **kw)
+        inputs = _inputs(kw["tree"], kw["patch"], kw["manifest"], kw["lock"], kw["torch_wheel"])
+        probe = img.REPO_ROOT / "build" / "image" / "probe"
+        probe.mkdir(parents=True, exist_ok=True)
+        changed = img.one_line_change(inputs.patch.read_text())
+        (probe / "megatron.patch").write_text(changed)
+        manifest = json.loads(inputs.manifest.read_text())
+        manifest.setdefault("patch", {})["sha256"] = img.sha256_file(probe / "megatron.patch")
+        img.write_json(probe / "manifest.json", manifest)
+        kw.update(no_cache=False, patch=str(probe / "megatron.patch"), manifest=str(probe / "manifest.json"))
+        say("==> [measure] rebuild after a one-line patch change", "bold")
+        rebuilt = do_build(client=client, tags=[f"{img.IMAGE_REPO}-measure:rebuild"], **kw)
     info = client.info()
     data = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -209,6 +214,10 @@ def measure(out, **kw):
         "machine": {"cpus": info.get("NCPU"), "memory_gib": round(info.get("MemTotal", 0) / 2**30, 1),
                     "storage_driver": info.get("Driver"), "docker": info.get("ServerVersion"),
                     "builder": "classic (docker-py)"},
+        "disk": {"root": str(root), "growth_bytes": disk.growth_bytes,
+                 "peak_growth_bytes": disk.peak_growth_bytes,
+                 "note": "used bytes of the file system holding Docker's root, over both builds "
+                         "(base image included when made), sampled every 0.5 s"},
         "cold": {"seconds": cold.seconds, "image_size_bytes": cold.size_bytes,
                  "steps": [{k: s[k] for k in ("number", "instruction", "cached", "seconds")} for s in cold.steps]},
         "rebuild_one_line_patch_change": {
@@ -220,14 +229,15 @@ def measure(out, **kw):
         },
     }
     path = img.write_json(Path(out), data)
-    say(f"==> [measure] cold {cold.seconds} s, rebuild {rebuilt.seconds} s; {path}", "bold green")
+    say(f"==> [measure] cold {cold.seconds} s, rebuild {rebuilt.seconds} s, disk peak "
+        f"+{disk.peak_growth_bytes / 2**30:.1f} GiB; {path}", "bold green")
     click.echo(str(path))
 
 
 @cli.command()
 @click.option("--all", "everything", is_flag=True, help="Also remove the cached deps stages.")
 def prune(everything):
-    """Remove dangling images and stopped build containers (frees vfs disk).
+    """Remove dangling images and stopped build containers (frees disk under Docker's root).
 
     Keeps the untagged deps stages (label io.gdn.stage=deps), the layer cache of the
     slowest step, unless --all.

@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
@@ -201,6 +203,48 @@ def test_check_disk_refuses_below_floor(tmp_path):
     with pytest.raises(img.DiskSpaceError, match="GiB free") as info:
         img.check_disk(tmp_path, 10**9)
     assert info.value.exit_code == 11 and "prune" in info.value.hint
+
+
+def test_check_disk_default_floor_follows_storage_driver(tmp_path, monkeypatch):
+    # Pretend the disk holds exactly 18 GiB free: enough for overlay2's floor, not for vfs's.
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(100 * 2**30, 82 * 2**30, 18 * 2**30))
+    assert img.min_free_gib("overlay2") < 18 < img.min_free_gib("vfs")
+    assert img.check_disk(tmp_path, driver="overlay2") == pytest.approx(18.0)
+    with pytest.raises(img.DiskSpaceError, match=r"needs about 25 GiB \(vfs copies every layer") as info:
+        img.check_disk(tmp_path, driver="vfs")
+    assert "overlay2" in info.value.message and info.value.exit_code == 11
+    # An unknown driver gets the larger floor; an explicit floor wins over the driver's.
+    with pytest.raises(img.DiskSpaceError, match="storage driver btrfs"):
+        img.check_disk(tmp_path, driver="btrfs")
+    assert img.check_disk(tmp_path, 17.5, driver="vfs") == pytest.approx(18.0)
+
+
+def test_docker_storage_reads_engine_info_and_falls_back():
+    class Engine:
+        def __init__(self, info):
+            self._info = info
+
+        def info(self):
+            if isinstance(self._info, Exception):
+                raise self._info
+            return self._info
+
+    assert img.docker_storage(Engine({"DockerRootDir": "/data/docker", "Driver": "overlay2"})) == (
+        Path("/data/docker"), "overlay2")
+    # No answer: the default root and the driver with the larger floor.
+    assert img.docker_storage(Engine(RuntimeError("gone"))) == (Path("/var/lib/docker"), "vfs")
+
+
+def test_disk_peak_reports_growth_and_peak(tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    used = iter([100, 180, 260, 140] + [140] * 1000)  # entry, samples..., exit
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(1000, next(used), 0))
+    with img.DiskPeak(tmp_path, interval_s=0.001) as disk:
+        deadline = time.monotonic() + 10
+        while disk.peak_used < 260 and time.monotonic() < deadline:  # the sampler saw the top
+            time.sleep(0.001)
+    assert disk.growth_bytes == 40 and disk.peak_growth_bytes == 160
 
 
 # --------------------------------------------------------------------------- build stream
