@@ -23,7 +23,7 @@ venv: $(VENV)/.installed
 patch: venv  ## Backport 5139086e onto the pinned tree: patch, manifest, trees.
 	$(PY) tools/backport --upstream 5139086e --python $(abspath $(PY))
 
-check-patch: venv  ## Regenerate and compare with the files on disk.
+check-patch: venv  ## Regenerate with the lock's date and compare with the files on disk (the lock alone in a fresh clone).
 	$(PY) tools/backport --check --python $(abspath $(PY))
 
 # ---- tests --------------------------------------------------------------------

@@ -6,6 +6,7 @@ Exit codes: 0 ok; 1 unexpected; 2 usage; 3 source; 4 pin; 5 recipe; 6 apply;
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,14 +57,14 @@ def _summary(build, written: list, mode: str) -> Table:
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Bare-repo and tree cache. Env GDN_BACKPORT_CACHE; default ~/.cache/gdn-backport.")
 @click.option("--offline", is_flag=True, help="Use only the cache; never clone or fetch.")
 @click.option("--carry", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Downstream patch applied first with zero fuzz; its hunks are recorded as carried.")
-@click.option("--date", "date", metavar="YYYY-MM-DD", help="Date of the output names and manifest. Default SOURCE_DATE_EPOCH, else today (UTC).")
+@click.option("--date", "date", metavar="YYYY-MM-DD", help="Date of the output names and manifest. Default SOURCE_DATE_EPOCH, else today (UTC); with --check, the date of <out>/manifests/lock.json.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=REPO_ROOT, show_default=True, help="Output root (patches/, manifests/lock.json, build/tree/).")
 @click.option("--allow-pin-mismatch", is_flag=True, help="Accept an MCore base that differs from the Bridge's .dev.commit.")
 @click.option("--no-import-check", is_flag=True, help="Skip the import check (recorded as SKIPPED in the manifest).")
 @click.option("--python", "python", default=sys.executable, show_default=True, help="Interpreter for the import check (needs torch, triton==3.6.0, FLA 0.4.2).")
 @click.option("--no-trees", is_flag=True, help="Do not write build/tree/base and build/tree/patched.")
 @click.option("--dry-run", is_flag=True, help="Run and verify everything, write the outputs to a scratch dir only and print its path.")
-@click.option("--check", is_flag=True, help="Regenerate and compare with the files on disk; exit 8 on any difference.")
+@click.option("--check", is_flag=True, help="Regenerate with the lock's date and compare with the files on disk (the lock alone in a fresh clone); exit 8 on any difference.")
 @click.option("--list-hunks", is_flag=True, help="Print the upstream commit's hunk ids (for writing a recipe) and exit.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks of errors.")
 @click.version_option(__version__)
@@ -81,6 +82,10 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
     try:
         if dry_run and check:
             raise UsageError("--dry-run and --check exclude each other.", hint="Use one of them.")
+        if check and not date and not os.environ.get("SOURCE_DATE_EPOCH"):
+            date = output.lock_date(out)
+            if date:
+                err.print(f"[dim]… check: date {date} from {out / output.LOCK}[/dim]")
         opts = engine.Options(
             recipe=recipe, upstream=upstream, megatron_lm=megatron_lm, megatron_bridge=megatron_bridge,
             cache_dir=cache_dir or default_cache_dir(), carry=carry, date=engine.parse_date(date),
@@ -95,8 +100,8 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
             build = engine.build(opts, progress=lambda msg: (status.update(msg), err.print(f"[dim]… {msg}[/dim]")))
         out_console = Console(width=200)
         if check:
-            output.check(build, out)
-            out_console.print(_summary(build, [], "check: identical"))
+            report = output.check(build, out)
+            out_console.print(_summary(build, [f"{rel}: {verdict}" for rel, verdict in report.items()], "check"))
             return
         if dry_run:
             import tempfile

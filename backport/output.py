@@ -98,22 +98,61 @@ def write(build, root: Path, trees: bool = True) -> list[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def check(build, root: Path) -> list[str]:
+LOCK = "manifests/lock.json"
+#: Report word of a generated file that is not on disk while the lock pins its digest.
+PINNED_BY_LOCK = "absent; its sha256 is pinned by " + LOCK
+
+
+def lock_date(root: Path) -> "str | None":
+    """The ``date`` (YYYY-MM-DD) of ``root/manifests/lock.json``, or None when there is no lock.
+
+    ``--check`` without ``--date`` rebuilds with this date, so the committed outputs compare
+    equal on any later day.
+
+    Raises:
+        CheckMismatch: the lock exists but is not JSON with a ``date``.
+    """
+    path = root / LOCK
+    if not path.exists():
+        return None
+    try:
+        return str(json.loads(path.read_text())["date"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckMismatch(f"{path} is not a lock with a date ({exc.__class__.__name__}: {exc})",
+                            hint=f"Restore it with `git checkout {LOCK}`, or regenerate it with "
+                                 "`tools/backport`, then run --check again.") from exc
+
+
+def check(build, root: Path) -> dict[str, str]:
     """Compare fresh outputs with the files on disk.
 
+    The lock must be on disk and equal. The generated files (patch, manifests) must all be
+    equal, or all be absent, as in a fresh clone where only the lock is committed: the lock
+    holds the patch's and the manifest's sha256, so comparing it compares them.
+
     Returns:
-        the relative paths that match (for the report).
+        relative path -> ``"identical"`` or :data:`PINNED_BY_LOCK`, sorted by path.
 
     Raises:
         CheckMismatch: listing every path that is missing or differs.
     """
-    diffs = []
-    for rel, data in rendered(build).items():
+    files = rendered(build)
+    generated = [rel for rel in files if rel != LOCK]
+    lock_only = not any((root / rel).exists() for rel in generated)
+    report, diffs = {}, []
+    for rel, data in files.items():
         path = root / rel
         if not path.exists():
-            diffs.append(f"{rel} (missing)")
+            if lock_only and rel != LOCK:
+                report[rel] = PINNED_BY_LOCK
+            else:
+                diffs.append(f"{rel} (missing)")
         elif path.read_bytes() != data:
             diffs.append(f"{rel} (differs)")
+        else:
+            report[rel] = "identical"
     if diffs:
         raise CheckMismatch("outputs on disk differ from a fresh run: " + ", ".join(diffs))
-    return list(rendered(build))
+    return report
+
+

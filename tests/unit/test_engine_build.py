@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -218,7 +219,7 @@ def test_write_then_check_passes_and_is_byte_stable(built, tmp_path):
     output.write(b, first, trees=True)
     output.write(b, second, trees=False)
     rels = list(output.rendered(b))
-    assert output.check(b, first) == rels
+    assert output.check(b, first) == {rel: "identical" for rel in rels}
     for rel in rels:
         assert (first / rel).read_bytes() == (second / rel).read_bytes()
     name = b.manifest["patch"]["name"]
@@ -241,6 +242,34 @@ def test_check_reports_changed_files(built, tmp_path, rel, action):
         output.check(built[0], tmp_path)
     assert exc.value.exit_code == 8
     assert f"{rel} ({'differs' if action == 'edit' else 'missing'})" in exc.value.message
+
+
+def test_check_of_a_fresh_clone_compares_the_lock_alone(built, tmp_path):
+    # Only manifests/lock.json is committed; the generated files are git-ignored.
+    output.write(built[0], tmp_path, trees=False)
+    shutil.rmtree(tmp_path / "patches")
+    report = output.check(built[0], tmp_path)
+    assert report[output.LOCK] == "identical"
+    assert {v for rel, v in report.items() if rel != output.LOCK} == {output.PINNED_BY_LOCK}
+    # ... and the lock pins the patch: a lock from another patch fails.
+    lock = json.loads((tmp_path / output.LOCK).read_text())
+    lock["patch"]["sha256"] = "0" * 64
+    (tmp_path / output.LOCK).write_bytes(output.canonical_json(lock))
+    with pytest.raises(output.CheckMismatch, match=r"manifests/lock.json \(differs\)"):
+        output.check(built[0], tmp_path)
+    (tmp_path / output.LOCK).unlink()
+    with pytest.raises(output.CheckMismatch, match=r"manifests/lock.json \(missing\)"):
+        output.check(built[0], tmp_path)
+
+
+def test_lock_date(built, tmp_path):
+    assert output.lock_date(tmp_path) is None
+    output.write(built[0], tmp_path, trees=False)
+    assert output.lock_date(tmp_path) == built[0].manifest["date"]
+    (tmp_path / output.LOCK).write_text("{}")
+    with pytest.raises(output.CheckMismatch, match="not a lock with a date") as exc:
+        output.lock_date(tmp_path)
+    assert "git checkout manifests/lock.json" in exc.value.hint
 
 
 def test_canonical_json_and_lock(built, tmp_path):
@@ -306,3 +335,23 @@ def test_cli_list_hunks_dry_run_and_check(tmp_path, fake_repos, recipe):
     written = runner.invoke(cli, base + ["--out", str(out), "--no-trees", "--offline"])
     assert written.exit_code == 0, written.output
     assert runner.invoke(cli, base + ["--check", "--out", str(out), "--offline"]).exit_code == 0
+
+
+def test_cli_check_takes_the_lock_date(tmp_path, fake_repos, recipe):
+    """Outputs written on one day still --check equal on a later day, and in a fresh clone."""
+    base = ["--recipe", str(recipe), "--cache-dir", str(tmp_path / "c"), "--megatron-lm", str(fake_repos.mlm),
+            "--megatron-bridge", str(fake_repos.bridge_repo), "--no-import-check"]
+    out = tmp_path / "out"
+    runner = CliRunner()
+    assert runner.invoke(cli, base + ["--date", "2026-01-02", "--out", str(out), "--no-trees"]).exit_code == 0
+    checked = runner.invoke(cli, base + ["--check", "--out", str(out), "--offline"])  # no --date: today is not 01-02
+    assert checked.exit_code == 0, checked.output
+    assert "check: date 2026-01-02 from " in checked.stderr
+    assert "manifests/lock.json: identical" in checked.stdout
+    shutil.rmtree(out / "patches")
+    fresh = runner.invoke(cli, base + ["--check", "--out", str(out), "--offline"])
+    assert fresh.exit_code == 0, fresh.output
+    assert "patches/latest/megatron.patch: absent; its sha256 is pinned by" in fresh.stdout
+    # An explicit --date still wins, and a different date is a different patch.
+    other = runner.invoke(cli, base + ["--check", "--out", str(out), "--offline", "--date", "2026-01-03"])
+    assert other.exit_code == 8 and "manifests/lock.json (differs)" in other.stderr
