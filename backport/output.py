@@ -100,7 +100,7 @@ def write(build, root: Path, trees: bool = True) -> list[Path]:
 
 LOCK = "manifests/lock.json"
 #: Report word of a generated file that is not on disk while the lock pins its digest.
-PINNED_BY_LOCK = "absent; its sha256 is pinned by " + LOCK
+PINNED_BY_LOCK = "absent; covered by the patch and manifest sha256 in " + LOCK
 
 
 def lock_date(root: Path) -> "str | None":

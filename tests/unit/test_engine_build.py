@@ -351,7 +351,7 @@ def test_cli_check_takes_the_lock_date(tmp_path, fake_repos, recipe):
     shutil.rmtree(out / "patches")
     fresh = runner.invoke(cli, base + ["--check", "--out", str(out), "--offline"])
     assert fresh.exit_code == 0, fresh.output
-    assert "patches/latest/megatron.patch: absent; its sha256 is pinned by" in fresh.stdout
+    assert "patches/latest/megatron.patch: absent; covered by the patch and manifest sha256 in" in fresh.stdout
     # An explicit --date still wins, and a different date is a different patch.
     other = runner.invoke(cli, base + ["--check", "--out", str(out), "--offline", "--date", "2026-01-03"])
     assert other.exit_code == 8 and "manifests/lock.json (differs)" in other.stderr
