@@ -71,7 +71,7 @@ IMAGE_ARGS ?=
 
 .PHONY: image gate image-measure dockerd
 
-dockerd:  ## Start a Docker Engine (Debian docker.io, vfs, no bridge) and wait for it.
+dockerd:  ## Start a Docker Engine (Debian docker.io, overlay2 else vfs, no bridge) and wait for it.
 	tools/dockerd-up
 
 image: venv  ## Build the training image from build/tree/base + patches/latest (docker-py).

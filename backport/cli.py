@@ -49,6 +49,32 @@ def _summary(build, written: list, mode: str) -> Table:
     return table
 
 
+def _check_date(date: Optional[str], out: Path, err: Console) -> Optional[str]:
+    """The date ``--check`` rebuilds with: ``--date``, else SOURCE_DATE_EPOCH, else the lock's.
+
+    Says on stderr which one and where it came from, and warns when it is not the lock's
+    (the lock then differs, since the date is in the patch name and header).
+    """
+    from . import engine, output
+
+    lock_day = output.lock_date(out)
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if date:
+        source = "--date"
+    elif epoch:
+        source = "SOURCE_DATE_EPOCH"
+    elif lock_day:
+        date, source = lock_day, str(out / output.LOCK)
+    else:
+        source = "today (UTC): there is no lock"
+    day = engine.parse_date(date)
+    err.print(f"[dim]… check: date {day[:4]}-{day[4:6]}-{day[6:]} from {source}[/dim]")
+    if lock_day and day != lock_day.replace("-", ""):
+        err.print(f"warning: {output.LOCK} is dated {lock_day}; checking with another date ({source}) "
+                  "makes the lock differ. Drop it to check against the lock's date.", style="yellow")
+    return date
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--upstream", metavar="SHA", help="Upstream Megatron-LM commit to backport (full or unique short SHA). Default: the recipe's pin (5139086e).")
 @click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_RECIPE, show_default=True, help="Recipe YAML.")
@@ -57,7 +83,7 @@ def _summary(build, written: list, mode: str) -> Table:
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Bare-repo and tree cache. Env GDN_BACKPORT_CACHE; default ~/.cache/gdn-backport.")
 @click.option("--offline", is_flag=True, help="Use only the cache; never clone or fetch.")
 @click.option("--carry", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Downstream patch applied first with zero fuzz; its hunks are recorded as carried.")
-@click.option("--date", "date", metavar="YYYY-MM-DD", help="Date of the output names and manifest. Default SOURCE_DATE_EPOCH, else today (UTC); with --check, the date of <out>/manifests/lock.json.")
+@click.option("--date", "date", metavar="YYYY-MM-DD", help="Date of the output names and manifest. Default SOURCE_DATE_EPOCH, else today (UTC); with --check, SOURCE_DATE_EPOCH, else the date of <out>/manifests/lock.json.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=REPO_ROOT, show_default=True, help="Output root (patches/, manifests/lock.json, build/tree/).")
 @click.option("--allow-pin-mismatch", is_flag=True, help="Accept an MCore base that differs from the Bridge's .dev.commit.")
 @click.option("--no-import-check", is_flag=True, help="Skip the import check (recorded as SKIPPED in the manifest).")
@@ -82,10 +108,8 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
     try:
         if dry_run and check:
             raise UsageError("--dry-run and --check exclude each other.", hint="Use one of them.")
-        if check and not date and not os.environ.get("SOURCE_DATE_EPOCH"):
-            date = output.lock_date(out)
-            if date:
-                err.print(f"[dim]… check: date {date} from {out / output.LOCK}[/dim]")
+        if check:
+            date = _check_date(date, out, err)
         opts = engine.Options(
             recipe=recipe, upstream=upstream, megatron_lm=megatron_lm, megatron_bridge=megatron_bridge,
             cache_dir=cache_dir or default_cache_dir(), carry=carry, date=engine.parse_date(date),

@@ -281,6 +281,8 @@ def preflight(inputs: Inputs, flavour: Flavour) -> Preflight:
 #: vfs copies the whole root file system into every layer: the same run peaked at 21.3 GiB
 #: (results/pipeline/image-timings-vfs.json).
 MIN_FREE_GIB = {"overlay2": 12.0, "vfs": 25.0}
+#: The measured peaks behind those floors (GiB), quoted in the error.
+MEASURED_PEAK_GIB = {"overlay2": 5.9, "vfs": 21.3}
 #: Floor for a driver not measured here.
 DEFAULT_MIN_FREE_GIB = 25.0
 
@@ -297,16 +299,26 @@ def check_disk(path: Path, min_free_gb: Optional[float] = None, driver: str = "v
     Raises :class:`DiskSpaceError` when less is free.
     """
     floor = min_free_gib(driver) if min_free_gb is None else min_free_gb
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free / 2**30
+    free = shutil.disk_usage(_existing(path)).free / 2**30
     if free < floor:
-        why = ("vfs copies every layer in full; a storage driver of overlay2 needs about half as much"
-               if driver == "vfs" else f"storage driver {driver}")
+        if driver == "vfs":
+            raise DiskSpaceError(
+                f"only {free:.1f} GiB free under {path}; the build needs about {floor:.0f} GiB under the vfs "
+                f"storage driver, which copies every layer in full (measured peak {MEASURED_PEAK_GIB['vfs']} GiB; "
+                f"overlay2: {MEASURED_PEAK_GIB['overlay2']} GiB, floor {min_free_gib('overlay2'):.0f} GiB)",
+                hint="Free space (`tools/image prune`), or switch to overlay2: stop dockerd, run "
+                     "`sudo tools/dockerd-up` (it picks overlay2 where the kernel mounts overlay), then run "
+                     "the same make target again. Or lower the floor with --min-free-gb.")
         raise DiskSpaceError(f"only {free:.1f} GiB free under {path}; the build needs about "
-                             f"{floor:.0f} GiB ({why})")
+                             f"{floor:.0f} GiB (storage driver {driver})")
     return free
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (disk usage of a root not made yet)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 class DiskPeak:
@@ -314,13 +326,15 @@ class DiskPeak:
 
     ``growth_bytes`` / ``peak_growth_bytes``: used bytes at exit / at the highest sample
     (every ``interval_s`` seconds) minus used bytes at entry. Other writers to the same file
-    system count too.
+    system count too. A sample that fails (the root vanished) is skipped and counted in
+    ``failed_samples``.
     """
 
     def __init__(self, path: Path, interval_s: float = 0.5):
         import threading
 
-        self.path, self.interval_s = path, interval_s
+        self.path, self.interval_s = _existing(path), interval_s
+        self.failed_samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.start_used = self.peak_used = self.end_used = 0
@@ -330,7 +344,10 @@ class DiskPeak:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.peak_used = max(self.peak_used, self._used())
+            try:
+                self.peak_used = max(self.peak_used, self._used())
+            except OSError:
+                self.failed_samples += 1
 
     def __enter__(self) -> "DiskPeak":
         self.start_used = self.peak_used = self._used()
@@ -697,6 +714,8 @@ class BuildResult:
     labels: dict
     size_bytes: int
     build_args: dict
+    #: The base image step of ``do_build``: ``{"ref", "made", "seconds"}`` (seconds 0 when present).
+    base_image: dict = field(default_factory=dict)
 
     @property
     def rebuilt_steps(self) -> list:

@@ -92,9 +92,11 @@ def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_c
     free = img.check_disk(root, min_free_gb, driver)
     say(f"==> [preflight] {free:.0f} GiB free under {root} (storage driver {driver})", "cyan")
     base = base_image or fl.base_image
+    base_record = {"ref": base, "made": False, "seconds": 0.0}
     if fl.name == "cpu" and base == img.CPU_BASE_IMAGE:
         made = img.ensure_base_image(client, base, on_line=stream_line)
         if made["created"]:
+            base_record.update(made=True, seconds=made["seconds"])
             say(f"==> [base-image] made {base} in {made['seconds']} s", "cyan")
     elif not img.image_exists(client, base):
         if not pull:
@@ -102,12 +104,14 @@ def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_c
                                        f"unless asked with --pull)")
         say(f"==> [base-image] pulling {base}", "cyan")
         img.pull_image(client, base, on_line=stream_line)
+        base_record["pulled"] = True
     ctx = Path(context_dir) if context_dir else img.REPO_ROOT / "build" / "image" / f"context-{fl.name}"
     img.stage_context(inputs, fl, ctx, img.host_ca_bundle())
     say(f"==> [context] staged {ctx}", "cyan")
     args = img.build_args(fl, pre, base)
     tags = tags or img.image_tags(fl, pre)
     result = img.build_image(client, ctx, args, tags, on_line=stream_line, nocache=no_cache)
+    result.base_image = base_record
     say(f"==> [build] {result.tags[0]} = {result.image_id[:19]} in {result.seconds} s "
         f"({result.cached_steps}/{len(result.steps)} steps cached)", "bold green")
     return result
@@ -216,8 +220,10 @@ def measure(out, **kw):
                     "builder": "classic (docker-py)"},
         "disk": {"root": str(root), "growth_bytes": disk.growth_bytes,
                  "peak_growth_bytes": disk.peak_growth_bytes,
+                 "failed_samples": disk.failed_samples,
                  "note": "used bytes of the file system holding Docker's root, over both builds "
-                         "(base image included when made), sampled every 0.5 s"},
+                         "(and the base image when base_image.made), sampled every 0.5 s"},
+        "base_image": cold.base_image,
         "cold": {"seconds": cold.seconds, "image_size_bytes": cold.size_bytes,
                  "steps": [{k: s[k] for k in ("number", "instruction", "cached", "seconds")} for s in cold.steps]},
         "rebuild_one_line_patch_change": {

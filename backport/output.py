@@ -112,11 +112,14 @@ def lock_date(root: Path) -> "str | None":
     Raises:
         CheckMismatch: the lock exists but is not JSON with a ``date``.
     """
+    import datetime as dt
+
     path = root / LOCK
     if not path.exists():
         return None
     try:
-        return str(json.loads(path.read_text())["date"])
+        value = json.loads(path.read_text())["date"]
+        return dt.datetime.strptime(value, "%Y-%m-%d").strftime("%Y-%m-%d")
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckMismatch(f"{path} is not a lock with a date ({exc.__class__.__name__}: {exc})",
                             hint=f"Restore it with `git checkout {LOCK}`, or regenerate it with "

@@ -266,10 +266,11 @@ def test_lock_date(built, tmp_path):
     assert output.lock_date(tmp_path) is None
     output.write(built[0], tmp_path, trees=False)
     assert output.lock_date(tmp_path) == built[0].manifest["date"]
-    (tmp_path / output.LOCK).write_text("{}")
-    with pytest.raises(output.CheckMismatch, match="not a lock with a date") as exc:
-        output.lock_date(tmp_path)
-    assert "git checkout manifests/lock.json" in exc.value.hint
+    for bad in ("{}", '{"date": "tomorrow"}', '{"date": 20261129}', "not json"):
+        (tmp_path / output.LOCK).write_text(bad)
+        with pytest.raises(output.CheckMismatch, match="not a lock with a date") as exc:
+            output.lock_date(tmp_path)
+        assert "git checkout manifests/lock.json" in exc.value.hint
 
 
 def test_canonical_json_and_lock(built, tmp_path):
@@ -352,6 +353,13 @@ def test_cli_check_takes_the_lock_date(tmp_path, fake_repos, recipe):
     fresh = runner.invoke(cli, base + ["--check", "--out", str(out), "--offline"])
     assert fresh.exit_code == 0, fresh.output
     assert "patches/latest/megatron.patch: absent; covered by the patch and manifest sha256 in" in fresh.stdout
-    # An explicit --date still wins, and a different date is a different patch.
+    # An explicit --date, or SOURCE_DATE_EPOCH, still wins (with a warning), and a different
+    # date is a different patch.
     other = runner.invoke(cli, base + ["--check", "--out", str(out), "--offline", "--date", "2026-01-03"])
     assert other.exit_code == 8 and "manifests/lock.json (differs)" in other.stderr
+    assert "check: date 2026-01-03 from --date" in other.stderr
+    assert "manifests/lock.json is dated 2026-01-02" in other.stderr
+    epoch = runner.invoke(cli, base + ["--check", "--out", str(out), "--offline"],
+                          env={"SOURCE_DATE_EPOCH": "1767398400"})  # 2026-01-03T00:00:00Z
+    assert epoch.exit_code == 8
+    assert "check: date 2026-01-03 from SOURCE_DATE_EPOCH" in epoch.stderr

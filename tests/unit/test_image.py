@@ -211,9 +211,10 @@ def test_check_disk_default_floor_follows_storage_driver(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(100 * 2**30, 82 * 2**30, 18 * 2**30))
     assert img.min_free_gib("overlay2") < 18 < img.min_free_gib("vfs")
     assert img.check_disk(tmp_path, driver="overlay2") == pytest.approx(18.0)
-    with pytest.raises(img.DiskSpaceError, match=r"needs about 25 GiB \(vfs copies every layer") as info:
+    with pytest.raises(img.DiskSpaceError, match=r"needs about 25 GiB under the vfs storage driver") as info:
         img.check_disk(tmp_path, driver="vfs")
-    assert "overlay2" in info.value.message and info.value.exit_code == 11
+    assert "overlay2: 5.9 GiB, floor 12 GiB" in info.value.message and info.value.exit_code == 11
+    assert "`sudo tools/dockerd-up`" in info.value.hint and "run the same make target again" in info.value.hint
     # An unknown driver gets the larger floor; an explicit floor wins over the driver's.
     with pytest.raises(img.DiskSpaceError, match="storage driver btrfs"):
         img.check_disk(tmp_path, driver="btrfs")
@@ -232,19 +233,28 @@ def test_docker_storage_reads_engine_info_and_falls_back():
 
     assert img.docker_storage(Engine({"DockerRootDir": "/data/docker", "Driver": "overlay2"})) == (
         Path("/data/docker"), "overlay2")
-    # No answer: the default root and the driver with the larger floor.
+    # No answer, or no driver named: the default root and the driver with the larger floor.
     assert img.docker_storage(Engine(RuntimeError("gone"))) == (Path("/var/lib/docker"), "vfs")
+    assert img.docker_storage(Engine({"DockerRootDir": "/d"})) == (Path("/d"), "vfs")
 
 
 def test_disk_peak_reports_growth_and_peak(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
-    used = iter([100, 180, 260, 140] + [140] * 1000)  # entry, samples..., exit
-    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(1000, next(used), 0))
-    with img.DiskPeak(tmp_path, interval_s=0.001) as disk:
+    readings = [100, 180, 260, 140]  # entry, samples..., then it stays at the last one
+
+    def disk_usage(_p):
+        value = readings.pop(0) if len(readings) > 1 else readings[0]
+        if value == 180:
+            raise FileNotFoundError("root vanished for one sample")
+        return usage(1000, value, 0)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    with img.DiskPeak(tmp_path / "not" / "made" / "yet", interval_s=0.001) as disk:
         deadline = time.monotonic() + 10
         while disk.peak_used < 260 and time.monotonic() < deadline:  # the sampler saw the top
             time.sleep(0.001)
-    assert disk.growth_bytes == 40 and disk.peak_growth_bytes == 160
+    assert disk.path == tmp_path
+    assert disk.growth_bytes == 40 and disk.peak_growth_bytes == 160 and disk.failed_samples == 1
 
 
 # --------------------------------------------------------------------------- build stream
