@@ -70,8 +70,8 @@ def _check_date(date: Optional[str], out: Path, err: Console) -> Optional[str]:
     day = engine.parse_date(date)
     err.print(f"[dim]… check: date {day[:4]}-{day[4:6]}-{day[6:]} from {source}[/dim]")
     if lock_day and day != lock_day.replace("-", ""):
-        err.print(f"warning: {output.LOCK} is dated {lock_day}; checking with another date ({source}) "
-                  "makes the lock differ. Drop it to check against the lock's date.", style="yellow")
+        click.echo(f"warning: {output.LOCK} is dated {lock_day}; checking with another date ({source}) "
+                   "makes the lock differ. Drop it to check against the lock's date.", err=True)
     return date
 
 

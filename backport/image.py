@@ -62,7 +62,7 @@ class DockerUnavailable(ImageError):
     """No Docker Engine answers (not installed, not started, no permission)."""
 
     exit_code = 10
-    default_hint = "Start one with `sudo tools/dockerd-up`, then run the same make target again."
+    default_hint = "Start one with `sudo tools/dockerd-up`, then run the same command again."
 
 
 class DiskSpaceError(ImageError):
@@ -70,7 +70,7 @@ class DiskSpaceError(ImageError):
 
     exit_code = 11
     default_hint = ("Free space (e.g. remove old images: `tools/image prune`), or lower the "
-                    "floor with --min-free-gb, then run the same make target again.")
+                    "floor with --min-free-gb, then run the same command again.")
 
 
 class GateFailed(ImageError):
@@ -308,7 +308,7 @@ def check_disk(path: Path, min_free_gb: Optional[float] = None, driver: str = "v
                 f"overlay2: {MEASURED_PEAK_GIB['overlay2']} GiB, floor {min_free_gib('overlay2'):.0f} GiB)",
                 hint="Free space (`tools/image prune`), or switch to overlay2: stop dockerd, run "
                      "`sudo tools/dockerd-up` (it picks overlay2 where the kernel mounts overlay), then run "
-                     "the same make target again. Or lower the floor with --min-free-gb.")
+                     "the same command again. Or lower the floor with --min-free-gb.")
         raise DiskSpaceError(f"only {free:.1f} GiB free under {path}; the build needs about "
                              f"{floor:.0f} GiB (storage driver {driver})")
     return free
@@ -489,9 +489,14 @@ def docker_client(timeout: int = 600):
         client = docker.from_env(timeout=timeout)
         client.ping()
     except Exception as exc:  # DockerException, connection refused, permission denied
-        where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+        host = os.environ.get("DOCKER_HOST")
+        where = host or "unix:///var/run/docker.sock"
+        hint = None
+        if host and host != "unix:///var/run/docker.sock":
+            hint = (f"Start the engine that DOCKER_HOST={host} names, or unset DOCKER_HOST to use the local "
+                    "one (`sudo tools/dockerd-up` starts it), then run the same command again.")
         raise DockerUnavailable(f"no Docker Engine answers at {where} ({type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from exc
+                                f"{str(exc).splitlines()[0][:200] if str(exc) else ''})", hint) from exc
     return client
 
 

@@ -155,7 +155,31 @@ def check(build, root: Path) -> dict[str, str]:
         else:
             report[rel] = "identical"
     if diffs:
-        raise CheckMismatch("outputs on disk differ from a fresh run: " + ", ".join(diffs))
+        raise CheckMismatch("outputs on disk differ from a fresh run: " + ", ".join(diffs),
+                            hint=_mismatch_hint(build, root))
     return report
+
+
+def _date_on_disk(path: Path) -> "str | None":
+    try:
+        return str(json.loads(path.read_text())["date"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _mismatch_hint(build, root: Path) -> "str | None":
+    """A hint naming a date mismatch, which is the usual cause; None keeps the class's."""
+    day = build.manifest["date"]
+    lock_day = _date_on_disk(root / LOCK)
+    latest_day = _date_on_disk(root / "patches/latest/manifest.json")
+    if lock_day and lock_day != day:
+        return (f"This check rebuilt the {day} patch, but {LOCK} is dated {lock_day} (the date is part of the "
+                f"patch). Run the check without --date and with SOURCE_DATE_EPOCH unset to use the lock's date; "
+                f"re-date the lock only on purpose (`tools/backport`, then commit {LOCK}).")
+    if latest_day and latest_day != day:
+        return (f"patches/latest holds the {latest_day} outputs, and this check rebuilt the lock's {day} ones. "
+                f"To check the committed lock alone, run the check in a clean clone (or with --out at a folder "
+                f"holding only {LOCK}); to compare on disk, first run `tools/backport --date {day}`.")
+    return None
 
 

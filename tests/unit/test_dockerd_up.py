@@ -102,6 +102,12 @@ def test_forced_vfs_skips_the_probe(harness):
     assert asked == ["vfs"]
 
 
+def test_help_prints_the_header_and_starts_nothing(harness):
+    proc = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "DOCKERD_STORAGE_DRIVER" in proc.stdout
+    assert not (harness.state / "asked").exists()
+
+
 def test_unknown_driver_is_a_usage_error(harness):
     proc, asked = harness(DOCKERD_STORAGE_DRIVER="btrfs")
     assert proc.returncode == 2 and asked == []
@@ -115,7 +121,7 @@ def test_running_engine_is_kept_and_a_conflicting_force_is_refused(harness):
     assert "engine already answers on" in proc.stderr and "(storage driver vfs, data root" in proc.stderr
     proc, asked = harness(DOCKERD_STORAGE_DRIVER="overlay2")
     assert proc.returncode == 2 and asked == []
-    assert "the running engine uses vfs" in proc.stderr
+    assert "does not match what was asked: storage driver overlay2 (it uses vfs)" in proc.stderr
     assert proc.stderr.rstrip().endswith("then run this command again.")
 
 

@@ -262,6 +262,32 @@ def test_check_of_a_fresh_clone_compares_the_lock_alone(built, tmp_path):
         output.check(built[0], tmp_path)
 
 
+def test_check_mismatch_hint_names_the_date(built, tmp_path):
+    b = built[0]  # dated as its manifest says
+    output.write(b, tmp_path, trees=False)
+    # The lock carries another date: the hint says the lock's date was not used.
+    lock = json.loads((tmp_path / output.LOCK).read_text())
+    lock["date"] = "2020-01-01"
+    (tmp_path / output.LOCK).write_bytes(output.canonical_json(lock))
+    with pytest.raises(output.CheckMismatch) as exc:
+        output.check(b, tmp_path)
+    assert f"{output.LOCK} is dated 2020-01-01" in exc.value.hint and "SOURCE_DATE_EPOCH unset" in exc.value.hint
+    # patches/latest holds another day's outputs (a `make patch` on a later day): the hint says how to check.
+    output.write(b, tmp_path, trees=False)
+    latest = json.loads((tmp_path / "patches/latest/manifest.json").read_text())
+    latest["date"] = "2030-01-01"
+    (tmp_path / "patches/latest/manifest.json").write_bytes(output.canonical_json(latest))
+    with pytest.raises(output.CheckMismatch) as exc:
+        output.check(b, tmp_path)
+    assert "patches/latest holds the 2030-01-01 outputs" in exc.value.hint and "clean clone" in exc.value.hint
+    # Same dates, different bytes: the class's hint (regenerate and commit the lock).
+    output.write(b, tmp_path, trees=False)
+    (tmp_path / "patches/latest/megatron.patch").write_bytes(b.patch + b"x")
+    with pytest.raises(output.CheckMismatch) as exc:
+        output.check(b, tmp_path)
+    assert exc.value.hint == output.CheckMismatch.default_hint
+
+
 def test_lock_date(built, tmp_path):
     assert output.lock_date(tmp_path) is None
     output.write(built[0], tmp_path, trees=False)

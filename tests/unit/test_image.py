@@ -214,7 +214,7 @@ def test_check_disk_default_floor_follows_storage_driver(tmp_path, monkeypatch):
     with pytest.raises(img.DiskSpaceError, match=r"needs about 25 GiB under the vfs storage driver") as info:
         img.check_disk(tmp_path, driver="vfs")
     assert "overlay2: 5.9 GiB, floor 12 GiB" in info.value.message and info.value.exit_code == 11
-    assert "`sudo tools/dockerd-up`" in info.value.hint and "run the same make target again" in info.value.hint
+    assert "`sudo tools/dockerd-up`" in info.value.hint and "run the same command again" in info.value.hint
     # An unknown driver gets the larger floor; an explicit floor wins over the driver's.
     with pytest.raises(img.DiskSpaceError, match="storage driver btrfs"):
         img.check_disk(tmp_path, driver="btrfs")
@@ -416,7 +416,9 @@ def test_docker_unavailable_without_engine(monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
     with pytest.raises(img.DockerUnavailable, match="no Docker Engine answers") as info:
         img.docker_client(timeout=2)
-    assert "sudo tools/dockerd-up" in info.value.hint
+    # DOCKER_HOST names another engine than the one tools/dockerd-up starts: the hint says so.
+    assert "Start the engine that DOCKER_HOST=unix:///nonexistent/docker.sock names" in info.value.hint
+    assert "unset DOCKER_HOST" in info.value.hint and "sudo tools/dockerd-up" in info.value.hint
 
 
 def test_cli_maps_errors_to_exit_codes(monkeypatch, capsys, inputs):
@@ -426,7 +428,7 @@ def test_cli_maps_errors_to_exit_codes(monkeypatch, capsys, inputs):
                         "--manifest", str(inputs.manifest)])
     assert info.value.code == 10
     err = capsys.readouterr().err
-    assert "no Docker Engine answers" in err and "hint: Start one with `sudo tools/dockerd-up`" in err
+    assert "no Docker Engine answers" in err and "hint: Start the engine that DOCKER_HOST=" in err
 
 
 def test_cli_refuses_missing_inputs_before_docker(capsys, tmp_path):
