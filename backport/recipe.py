@@ -7,6 +7,7 @@ of the upstream commit is taken verbatim, adapted, or excluded with a reason, ex
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
@@ -35,6 +36,38 @@ class Pins(_Strict):
 class _Step(_Strict):
     id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
     why: str = Field(min_length=10)
+
+    @field_validator("why")
+    @classmethod
+    def _reason_is_whole(cls, why: str) -> str:
+        return lint_reason(why)
+
+
+REASON_WORDS = 4
+# A plain (unquoted) YAML scalar after ``why:`` that holds `` #``: YAML reads the rest as a comment.
+_CUT_REASON = re.compile(r"^\s*(?:-\s*)?why:\s*(?=[^\s\x22'|>])[^\n]*?\s#")
+
+
+def lint_reason(why: str) -> str:
+    """A reason must say why in words: not empty, at least four words.
+
+    Raises:
+        ValueError: the reason is empty or too short to be a reason.
+    """
+    text = why.strip()
+    if len(text.split()) < REASON_WORDS:
+        raise ValueError(f"reason {text!r} is shorter than {REASON_WORDS} words; say why in a sentence")
+    return why
+
+
+def lint_yaml_reasons(text: str) -> list[str]:
+    """Lines whose ``why:`` is cut short by YAML itself (an unquoted `` #`` starts a comment).
+
+    ``why: belong to PR #5664 (...)`` parses as ``belong to PR``. Returns ``"line N: ..."``
+    descriptions, empty when every reason is whole.
+    """
+    return [f"line {n}: {line.strip()[:80]}" for n, line in enumerate(text.splitlines(), start=1)
+            if _CUT_REASON.match(line)]
 
 
 class UpstreamFile(_Step):
@@ -131,6 +164,10 @@ def load_recipe(path: Path) -> tuple[Recipe, str]:
         raw = path.read_bytes()
     except OSError as exc:
         raise RecipeError(f"cannot read recipe {path}: {exc.strerror}", hint="Pass --recipe with an existing file.") from exc
+    cut = lint_yaml_reasons(raw.decode("utf-8", errors="replace"))
+    if cut:
+        raise RecipeError(f"recipe {path}: a reason is cut short by an unquoted ' #' (YAML reads the rest as a "
+                          f"comment): {'; '.join(cut)}", hint="Put that reason in double quotes and re-run.")
     try:
         data = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
