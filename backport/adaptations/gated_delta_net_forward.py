@@ -104,12 +104,6 @@ def forward(
             conv1d_kernel_size=self.conv_kernel_dim,
         )
 
-    # Input projection
-    nvtx_range_push(suffix="in_proj")
-    qkvzba, _ = self.in_proj(hidden_states)
-    nvtx_range_pop(suffix="in_proj")
-    seq_len = local_seq_len * self.sp_size
-
     head_split_sections = [
         self.qk_dim_local_tp,
         self.qk_dim_local_tp,
@@ -118,7 +112,30 @@ def forward(
         self.num_value_heads // self.tp_size,
         self.num_value_heads // self.tp_size,
     ]
-    if plan.chunkwise:
+    # Chunkwise converts zigzag <-> contiguous on the narrower side of each projection:
+    # in_proj and out_proj act on every token alone, so the token permutation commutes with
+    # them. Under sequence parallelism the projections also move the sequence over TP, so
+    # the conversion stays on the projection outputs there.
+    layout_before_in_proj = (
+        plan.chunkwise and self.sp_size == 1 and hidden_states.shape[-1] < sum(head_split_sections)
+    )
+    layout_after_out_proj = (
+        plan.chunkwise and self.sp_size == 1 and hidden_states.shape[-1] < self.v_dim_local_tp
+    )
+    if layout_before_in_proj:
+        nvtx_range_push(suffix="zigzag_to_contiguous")
+        hidden_states = zigzag_to_contiguous_chunks(
+            hidden_states, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q
+        )
+        nvtx_range_pop(suffix="zigzag_to_contiguous")
+
+    # Input projection
+    nvtx_range_push(suffix="in_proj")
+    qkvzba, _ = self.in_proj(hidden_states)
+    nvtx_range_pop(suffix="in_proj")
+    seq_len = local_seq_len * self.sp_size
+
+    if plan.chunkwise and not layout_before_in_proj:
         # Zigzag shard -> contiguous time chunk (rank r holds chunks 2r, 2r+1).
         nvtx_range_push(suffix="zigzag_to_contiguous")
         qkvzba = zigzag_to_contiguous_chunks(
@@ -262,7 +279,7 @@ def forward(
     norm_out = norm_out.transpose(0, 1).contiguous()
 
     # Back to this rank's zigzag sequence shard
-    if plan.chunkwise:
+    if plan.chunkwise and not layout_after_out_proj:
         nvtx_range_push(suffix="contiguous_to_zigzag")
         norm_out = contiguous_to_zigzag_chunks(
             norm_out, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q
@@ -291,5 +308,10 @@ def forward(
     nvtx_range_push(suffix="out_proj")
     out, out_bias = self.out_proj(norm_out)
     nvtx_range_pop(suffix="out_proj")
+
+    if layout_after_out_proj:
+        nvtx_range_push(suffix="contiguous_to_zigzag")
+        out = contiguous_to_zigzag_chunks(out, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q)
+        nvtx_range_pop(suffix="contiguous_to_zigzag")
 
     return out, out_bias
