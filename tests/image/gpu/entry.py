@@ -5,8 +5,12 @@
     torchrun ... entry.py oldnew-dump --label new --dump-dir D --out N.json   # per tree
     python tests/image/gpu/entry.py oldnew-compare --dump-dir D --out O.json
 
-Megatron comes from the tree first on ``PYTHONPATH`` (the job records which). NCCL, one
-process per GPU. Each rank appends its records to ``<out>.rank<r>.jsonl`` as they are
+    torchrun ... entry.py extra --select '^tp2cp2/' --out E.json   # tests/image/gpu/module_extra.py
+
+Megatron comes from the tree first on ``PYTHONPATH`` (the job records which). Ranks share
+the host's GPUs round-robin; NCCL when each rank has its own GPU, gloo (with the FLA 0.4.2
+all-gather shim of ``tests/image/fla_gloo.py``) when two ranks share one
+(``tests/image/gpu/placement.py``); the job JSON says which. Each rank appends its records to ``<out>.rank<r>.jsonl`` as they are
 made, so a job that dies still leaves what it finished; rank 0 writes the whole job's JSON
 at the end: ``{"job", "tree", "fla", "torch", "autotune", "elapsed_s", "records": [...]}``.
 ``--emulate`` runs the same job on CPU/gloo with FLA replaced (a dry run of the harness).
@@ -70,7 +74,9 @@ def _env_info():
     return info
 
 
-def _init(emulate):
+def _init(emulate, want_fla_shim=True):
+    """Join the job's process group. Returns rank, world, device and what was chosen:
+    ``{"backend", "ranks_per_gpu", "gloo_shim"}``."""
     import torch
     import torch.distributed as dist
 
@@ -81,13 +87,25 @@ def _init(emulate):
 
         install_cpu_device_shim()
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        return rank, world, torch.device("cpu")
+        return rank, world, torch.device("cpu"), {"backend": "gloo", "ranks_per_gpu": None,
+                                                   "gloo_shim": "n/a (emulated)"}
+    from placement import place
+
     local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device,
-                            timeout=datetime.timedelta(seconds=240))
-    return rank, world, device
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    p = place(local, local_world, torch.cuda.device_count(), os.environ.get("GDN_SUITE_BACKEND"))
+    torch.cuda.set_device(p.device)
+    device = torch.device("cuda", p.device)
+    kw = {"device_id": device} if p.backend == "nccl" else {}
+    dist.init_process_group(p.backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600 if p.shared else 240), **kw)
+    shim = False
+    if p.backend == "gloo" and want_fla_shim:
+        import fla_gloo
+
+        shim = fla_gloo.install()
+    return rank, world, device, {"backend": p.backend, "ranks_per_gpu": p.ranks_per_gpu,
+                                 "gloo_shim": shim}
 
 
 def _emulated_kernels():
@@ -101,7 +119,7 @@ def _emulated_kernels():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="GDN CP GPU suite job")
-    ap.add_argument("job", choices=["kernels", "module", "oldnew-dump", "oldnew-compare"])
+    ap.add_argument("job", choices=["kernels", "module", "extra", "oldnew-dump", "oldnew-compare"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--select", default=None, help="regex on record ids")
     ap.add_argument("--label", choices=["old", "new"])
@@ -136,8 +154,10 @@ def main(argv=None):
     from autotune_policy import install
 
     policy = "n/a (emulated)" if args.emulate else install()
-    rank, world, device = _init(args.emulate)
-    info = _env_info()
+    # FLA 0.4.1 (the base tree's old-vs-new dump) has no fla.ops.cp: no shim to install.
+    rank, world, device, placed = _init(args.emulate,
+                                        want_fla_shim=not (args.job == "oldnew-dump" and args.label == "old"))
+    info = {**_env_info(), **placed}
     select = (lambda rid: re.search(args.select, rid) is not None) if args.select else None
     log = lambda s: print(f"{time.time() - t0:7.1f}s {s}", flush=True)  # noqa: E731
     journal_path = f"{args.out}.rank{rank}.jsonl"
@@ -171,6 +191,11 @@ def main(argv=None):
             phases["warmup_s"] = time.time() - t0
         module_matrix.run_matrix(rank, world, device, emulate=args.emulate, select=select,
                                  log=log if rank == 0 else (lambda s: None), records=records)
+    elif args.job == "extra":
+        import module_extra
+
+        module_extra.run_extra(rank, world, device, emulate=args.emulate, select=select,
+                               log=log if rank == 0 else (lambda s: None), records=records)
     elif args.job == "oldnew-dump":
         import oldnew
 

@@ -1,23 +1,30 @@
-"""Merge the GPU jobs' JSON into ``report.json`` (everything) and ``summary.json`` (per check id,
-worst figures over ranks), print a table, exit 1 on any failure or missing job.
+"""Merge the GPU jobs' JSON into ``report.json.gz`` (every per-rank record) and ``summary.json``
+(per check id, worst figures over ranks), print a table, exit 1 on any failure or missing job.
 
-    python tests/image/gpu/report.py --work /tmp/gdn-suite --out results/raw/gpu-suite
+    python tests/image/gpu/report.py --work /tmp/gdn-suite --out results/raw/gpu-suite \
+        [--known-failing '^empty_segments/']
 
 A job whose final JSON is missing (crash, timeout) is read back from its ranks' JSONL
-journals and counted as failed.
+journals and counted as failed. Check ids matching ``--known-failing`` (a regex; a failure
+another issue is fixing) are listed apart: their failures neither fail the run nor hide the
+others, and one that passes is listed as such. ``summary.json`` says which backend the ranks
+used and whether their timings may be read as performance (never when ranks share a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import re
 import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
 
-JOBS = ("kernels", "kernels-edge", "module-a", "module-b", "module-c", "module-d", "oldnew")
+JOBS = ("kernels", "kernels-edge", "module-a", "module-b", "module-c", "module-d", "module-e",
+        "module-f", "empty-segments", "oldnew")
 FIGURES = ("max_abs_err", "worst_bound_ratio", "nrms")
 
 
@@ -73,7 +80,10 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--jobs", default=" ".join(JOBS), help="jobs that were run")
     ap.add_argument("--note", default="")
+    ap.add_argument("--known-failing", default="", help="regex on check ids")
     args = ap.parse_args(argv)
+    known = (lambda rid: re.search(args.known_failing, rid) is not None) if args.known_failing \
+        else (lambda rid: False)
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     host = json.loads((work / "host.json").read_text()) if (work / "host.json").exists() else {}
@@ -90,7 +100,8 @@ def main(argv=None):
                     "elapsed_s": dump.get("elapsed_s"), "tree": dump.get("tree"),
                     "fla": dump.get("fla"), "autotune": dump.get("autotune")}
         failed = sum(not r.get("passed") for r in recs)
-        ok = d["complete"] and d.get("rc") == 0 and bool(recs) and failed == 0
+        unexpected = sum(not r.get("passed") and not known(r["id"]) for r in recs)
+        ok = d["complete"] and d.get("rc") == 0 and bool(recs) and unexpected == 0
         jobs[job] = {"rc": d.get("rc"), "complete": d["complete"], "records": len(recs),
                      "failed": failed, "passed": ok, "elapsed_s": d.get("elapsed_s"),
                      "phases": d.get("phases"), "tree": d.get("tree") or d.get("trees"),
@@ -101,8 +112,16 @@ def main(argv=None):
         if j is not None and (j.get("rc") != 0 or not j.get("complete")):
             jobs["oldnew"]["passed"] = False
     worst = _worst(all_records)
+    for rid, e in worst.items():
+        if known(rid):
+            e["known_failing"] = args.known_failing
     passed = all(j.get("passed", True) for j in jobs.values()) and all(
-        e["passed"] for e in worst.values())
+        e["passed"] or known(rid) for rid, e in worst.items())
+    shared = host.get("ranks_per_gpu") != 1
+    host["timings_note"] = (
+        "ranks shared a GPU (or ran on CPU) and talked through gloo: elapsed times are not "
+        "performance data" if shared else
+        "one GPU per rank (NCCL); elapsed times still include compilation and checking")
     summary = {
         "suite": "gdn-cp image regression, GPU part",
         "generated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -121,7 +140,12 @@ def main(argv=None):
         "jobs": jobs,
         "counts": {
             "checks": len(worst),
-            "failed": sum(not e["passed"] for e in worst.values()),
+            "failed": sum(not e["passed"] and not known(rid) for rid, e in worst.items()),
+            "known_failing": args.known_failing or None,
+            "known_failing_failed": sorted(rid for rid, e in worst.items()
+                                           if known(rid) and not e["passed"]),
+            "known_failing_passed": sorted(rid for rid, e in worst.items()
+                                           if known(rid) and e["passed"]),
             "failed_gate_but_pass_upstream_rule": sorted(
                 rid for rid, e in worst.items() if not e["passed"] and bool(e["checks"])
                 and not e.get("path_problems") and not e.get("error") and all(
@@ -130,22 +154,54 @@ def main(argv=None):
         },
         "results": worst,
     }
+    summary["table"] = table(worst, known)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out / "report.json").write_text(json.dumps(
-        {"summary": {k: v for k, v in summary.items() if k != "results"},
-         "records": all_records}, indent=1, default=str) + "\n")
+    data = json.dumps({"summary": {k: v for k, v in summary.items() if k != "results"},
+                       "records": all_records}, indent=1, default=str) + "\n"
+    # mtime 0: the same records give the same bytes
+    with open(out / "report.json.gz", "wb") as raw, gzip.GzipFile(
+            fileobj=raw, mode="wb", mtime=0) as f:
+        f.write(data.encode())
     for job, j in jobs.items():
         print(f"{job:18s} rc={j.get('rc')} complete={j.get('complete')} "
               f"records={j.get('records', '-')} failed={j.get('failed', '-')} "
               f"elapsed={j.get('elapsed_s')}", file=sys.stderr)
+    for line in summary["table"]:
+        print(line, file=sys.stderr)
     for rid, e in worst.items():
         if not e["passed"]:
             bad = {k: v for k, v in e["checks"].items() if not v.get("passed")}
-            print(f"FAIL {rid}: {e.get('error') or ''} {e.get('path_problems') or ''} "
+            print(f"{'KNOWN-FAIL' if known(rid) else 'FAIL'} {rid}: {e.get('error') or ''} {e.get('path_problems') or ''} "
                   f"{json.dumps(bad)[:400]}", file=sys.stderr)
-    print(f"{'PASSED' if passed else 'FAILED'}: {summary['counts']['checks']} checks, "
-          f"{summary['counts']['failed']} failed -> {out / 'summary.json'}", file=sys.stderr)
+    c = summary["counts"]
+    print(f"{'PASSED' if passed else 'FAILED'}: {c['checks']} checks, {c['failed']} failed, "
+          f"{len(c['known_failing_failed'])} known failures ({args.known_failing or 'none declared'}), "
+          f"{len(c['known_failing_passed'])} declared known-failing but passed "
+          f"-> {out / 'summary.json'}", file=sys.stderr)
     return 0 if passed else 1
+
+
+def table(worst, known=lambda rid: False):
+    """Markdown rows per kind: passed / total, known failures, worst bound ratio, min cosine."""
+    rows = {}
+    for rid, e in worst.items():
+        r = rows.setdefault(e["kind"], {"total": 0, "passed": 0, "known": 0, "ratio": 0.0,
+                                        "cos": None, "nrms": 0.0})
+        r["total"] += 1
+        r["passed"] += bool(e["passed"])
+        r["known"] += bool(known(rid) and not e["passed"])
+        for c in e["checks"].values():
+            r["ratio"] = max(r["ratio"], c.get("worst_bound_ratio", 0.0))
+            r["nrms"] = max(r["nrms"], c.get("nrms", 0.0))
+            if "cosine_min" in c:
+                r["cos"] = c["cosine_min"] if r["cos"] is None else min(r["cos"], c["cosine_min"])
+    out = ["| kind | passed / total | known failing (failed) | worst bound ratio | min cosine | max nRMS |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for kind, r in rows.items():
+        cos = "-" if r["cos"] is None else f"{r['cos']:.10f}"
+        out.append(f"| {kind} | {r['passed']} / {r['total']} | {r['known'] or '-'} | "
+                   f"{r['ratio']:.4g} | {cos} | {r['nrms']:.3g} |")
+    return out
 
 
 def _count_kinds(worst):
