@@ -1,6 +1,7 @@
-"""pytest entry for the GPU part: runs ``tools/gpu-suite`` when 4 CUDA GPUs are present.
+"""pytest entry for the GPU part: runs ``tools/gpu-suite`` on a host with at least one CUDA GPU.
 
-Skips (with the reason) on hosts without 4 GPUs, without the trees or without the carried
+Ranks share GPUs when there are fewer than 4 (gloo; ``tests/image/gpu/placement.py``). Skips (with
+the reason) on hosts without a CUDA GPU, without the trees or without the carried
 FLA wheels; ``tools/gpu-suite`` is the primary way to run it (it needs no pytest).
 """
 
@@ -20,9 +21,9 @@ def test_gpu_suite_passes(tmp_path):
     need_torch()
     import torch
 
-    if torch.cuda.device_count() < 4:
-        pytest.skip(f"GPU part needs 4 CUDA GPUs, found {torch.cuda.device_count()}; "
-                    "run tools/gpu-suite on a 4-GPU host")
+    if torch.cuda.device_count() < 1:
+        pytest.skip("GPU part needs a CUDA GPU (4 ranks share however many there are); "
+                    "run tools/gpu-suite on a GPU host")
     need_base_tree()
     wheels = os.environ.get("GDN_WHEELS", str(REPO / ".whl"))
     for sub in ("fla042", "fla041"):
