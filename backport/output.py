@@ -361,11 +361,11 @@ def _mismatch_hint(build, root: Path) -> "str | None":
     if lock_day and lock_day != day:
         return (f"This check rebuilt the {day} patch, but {LOCK} is dated {lock_day} (the date is part of the "
                 f"patch). Run the check without --date and with SOURCE_DATE_EPOCH unset to use the lock's date; "
-                f"re-date the lock only on purpose (`tools/backport`, then commit {LOCK}).")
+                f"re-date the lock only on purpose (`tools/backport --release`, then commit {LOCK}).")
     if latest_day and latest_day != day:
         return (f"patches/latest holds the {latest_day} outputs, and this check rebuilt the lock's {day} ones. "
                 f"To check the committed lock alone, run the check in a clean clone (or with --out at a folder "
-                f"holding only {LOCK}); to compare on disk, first run `tools/backport --date {day}`.")
+                f"holding only {LOCK}); to compare on disk, first run `tools/backport` (it takes the lock's date).")
     return None
 
 
