@@ -320,7 +320,7 @@ def test_help_lists_the_flags():
     assert result.exit_code == 0
     for flag in ("--upstream", "--recipe", "--megatron-lm", "--megatron-bridge", "--cache-dir", "--offline",
                  "--carry", "--date", "--out", "--allow-pin-mismatch", "--no-import-check", "--python",
-                 "--no-trees", "--dry-run", "--check", "--list-hunks", "--verbose"):
+                 "--no-trees", "--dry-run", "--check", "--list-hunks", "--verbose", "--debug", "--release", "--no-wait"):
         assert flag in result.output
 
 
