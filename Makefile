@@ -7,7 +7,7 @@ MEGATRON_LM_REPO ?= $(wildcard /work/.mirror/NVIDIA+Megatron-LM/repo)
 MEGATRON_BRIDGE_REPO ?= $(wildcard /work/.mirror/NVIDIA-NeMo+Megatron-Bridge/repo)
 export MEGATRON_LM_REPO MEGATRON_BRIDGE_REPO
 
-.PHONY: venv patch check-patch test test-unit test-image
+.PHONY: venv patch release check-patch test test-unit test-image
 
 # ---- backport job -------------------------------------------------------------
 # CPU torch for checks and the CPU suite (this machine kind has the 2.13.0 CPU wheel locally).
@@ -20,8 +20,14 @@ $(VENV)/.installed: pyproject.toml requirements/verify.txt
 
 venv: $(VENV)/.installed
 
-patch: venv  ## Backport 5139086e onto the pinned tree: patch, manifest, trees.
+patch: venv  ## Backport 5139086e onto the pinned tree: patch, manifest, trees, dated as manifests/lock.json (the committed bytes).
 	$(PY) tools/backport --upstream 5139086e --python $(abspath $(PY))
+
+# A new dated release: DATE=YYYY-MM-DD (default today, UTC). Re-dates manifests/lock.json and
+# says what changed; commit the lock to publish it.
+DATE ?=
+release: venv  ## New dated patch + lock (DATE=YYYY-MM-DD, default today UTC); says what changed in manifests/lock.json.
+	$(PY) tools/backport --upstream 5139086e --python $(abspath $(PY)) --release $(if $(DATE),--date $(DATE))
 
 check-patch: venv  ## Regenerate with the lock's date and compare with the files on disk (the lock alone in a fresh clone).
 	$(PY) tools/backport --check --python $(abspath $(PY))
@@ -68,8 +74,13 @@ gpu-suite:  ## On a 4-GPU host: the GPU part of the regression suite -> results/
 IMAGE_FLAVOUR ?= cuda
 GATE_FLAVOUR ?= cpu
 IMAGE_ARGS ?=
+# Where `make gate` writes its report. The default is the committed gate on record; CI
+# (.ci/run) passes GATE_REPORT=build/ci/gate-report.json (ignored by git) and `make record-gate`
+# copies that one over the committed file, on purpose.
+GATE_REPORT ?= results/pipeline/gate-report.json
+CI_REPORTS ?= build/ci
 
-.PHONY: image gate image-measure dockerd
+.PHONY: image gate record-gate image-measure dockerd
 
 dockerd:  ## Start a Docker Engine (Debian docker.io, overlay2 else vfs, no bridge) and wait for it.
 	tools/dockerd-up
@@ -77,8 +88,13 @@ dockerd:  ## Start a Docker Engine (Debian docker.io, overlay2 else vfs, no brid
 image: venv  ## Build the training image from build/tree/base + patches/latest (docker-py).
 	$(PY) tools/image build --flavour $(IMAGE_FLAVOUR) $(IMAGE_ARGS)
 
-gate: venv  ## Build the cpu image, run its regression suite inside it, write results/pipeline/gate-report.json.
-	$(PY) tools/image gate --flavour $(GATE_FLAVOUR) $(IMAGE_ARGS)
+gate: venv  ## Build the cpu image, run its regression suite inside it, write $(GATE_REPORT).
+	$(PY) tools/image gate --flavour $(GATE_FLAVOUR) --report $(GATE_REPORT) $(IMAGE_ARGS)
+
+record-gate:  ## Copy CI's gate report ($(CI_REPORTS)/gate-report.json) over the committed results/pipeline/gate-report.json.
+	@test -f $(CI_REPORTS)/gate-report.json || { echo "error: no $(CI_REPORTS)/gate-report.json"; echo "hint: run bash .ci/run (or make gate GATE_REPORT=$(CI_REPORTS)/gate-report.json) first"; exit 1; } >&2
+	cp $(CI_REPORTS)/gate-report.json results/pipeline/gate-report.json
+	@echo "copied $(CI_REPORTS)/gate-report.json -> results/pipeline/gate-report.json; commit it to record this gate"
 
 image-measure: venv  ## Cold build and one-line-patch rebuild times -> results/pipeline/image-timings.json.
 	$(PY) tools/image measure --flavour $(GATE_FLAVOUR) $(IMAGE_ARGS)

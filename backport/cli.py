@@ -1,7 +1,13 @@
 """Command line of the backport job (thin: parses flags, calls the engine, prints).
 
-Exit codes: 0 ok; 1 unexpected; 2 usage; 3 source; 4 pin; 5 recipe; 6 apply;
-7 verification; 8 --check mismatch; 9-14 image (see backport/image.py and the README).
+Exit codes: 0 ok; 1 system failure or unexpected error (one line naming the step and path,
+a hint, the traceback in a log file or with --debug); 2 usage; 3 source; 4 pin; 5 recipe;
+6 apply; 7 verification; 8 --check mismatch; 9-14 image (see backport/image.py); 15 busy
+(--no-wait); 130 interrupted. The README's table lists them.
+
+One run at a time per output folder (``build/.gdn/output.lock``, :mod:`backport.locks`); a
+run first finishes or rolls back a switch of outputs that a killed run left
+(:func:`backport.output.recover`).
 """
 
 from __future__ import annotations
@@ -49,30 +55,70 @@ def _summary(build, written: list, mode: str) -> Table:
     return table
 
 
-def _check_date(date: Optional[str], out: Path, err: Console) -> Optional[str]:
-    """The date ``--check`` rebuilds with: ``--date``, else SOURCE_DATE_EPOCH, else the lock's.
+def _date_choice(date: Optional[str], release: bool, out: Path, check: bool) -> tuple[Optional[str], str]:
+    """(date for :func:`engine.parse_date`, where it came from).
 
-    Says on stderr which one and where it came from, and warns when it is not the lock's
-    (the lock then differs, since the date is in the patch name and header).
+    ``--date``, else SOURCE_DATE_EPOCH, else today with ``--release``, else the date of
+    ``<out>/manifests/lock.json`` (so a plain run reproduces the committed lock), else today
+    when there is no lock.
     """
-    from . import engine, output
+    from . import output
 
-    lock_day = output.lock_date(out)
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if date:
-        source = "--date"
-    elif epoch:
-        source = "SOURCE_DATE_EPOCH"
-    elif lock_day:
-        date, source = lock_day, str(out / output.LOCK)
-    else:
-        source = "today (UTC): there is no lock"
-    day = engine.parse_date(date)
-    err.print(f"[dim]… check: date {day[:4]}-{day[4:6]}-{day[6:]} from {source}[/dim]")
-    if lock_day and day != lock_day.replace("-", ""):
-        click.echo(f"warning: {output.LOCK} is dated {lock_day}; checking with another date ({source}) "
-                   "makes the lock differ. Drop it to check against the lock's date.", err=True)
-    return date
+        return date, "--date"
+    if os.environ.get("SOURCE_DATE_EPOCH"):
+        return None, "SOURCE_DATE_EPOCH"
+    if release:
+        return None, "today (UTC), --release"
+    lock_day = output.lock_date(out)
+    if lock_day:
+        return lock_day, str(out / output.LOCK)
+    return None, "today (UTC): there is no lock"
+
+
+def _lock_changes(old: Optional[dict], new: dict) -> list[str]:
+    """What differs between two locks, as short phrases (empty when identical)."""
+    if old is None:
+        return ["new lock"]
+    changes = []
+    if old.get("date") != new["date"]:
+        changes.append(f"date {old.get('date')} -> {new['date']}")
+    if old.get("patch") != new["patch"]:
+        o = old.get("patch") or {}
+        changes.append(f"patch {o.get('name')} ({str(o.get('sha256'))[:12]}) -> "
+                       f"{new['patch']['name']} ({new['patch']['sha256'][:12]})")
+    for key in sorted((set(old) | set(new)) - {"date", "patch"}):
+        if old.get(key) != new.get(key):
+            changes.append(f"{key} changed")
+    return changes
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _save_traceback(exc: BaseException, places: list) -> Optional[Path]:
+    """Write the traceback of ``exc`` to the first writable place; return the log's path."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for folder in places + [Path(tempfile.gettempdir())]:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"gdn-backport-error-{stamp}-{os.getpid()}.log"
+            path.write_text(f"tools/backport {' '.join(sys.argv[1:])}\n{text}", encoding="utf-8")
+            return path
+        except OSError:
+            continue
+    return None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -83,69 +129,158 @@ def _check_date(date: Optional[str], out: Path, err: Console) -> Optional[str]:
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Bare-repo and tree cache. Env GDN_BACKPORT_CACHE; default ~/.cache/gdn-backport.")
 @click.option("--offline", is_flag=True, help="Use only the cache; never clone or fetch.")
 @click.option("--carry", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Downstream patch applied first with zero fuzz; its hunks are recorded as carried.")
-@click.option("--date", "date", metavar="YYYY-MM-DD", help="Date of the output names and manifest. Default SOURCE_DATE_EPOCH, else today (UTC); with --check, SOURCE_DATE_EPOCH, else the date of <out>/manifests/lock.json.")
+@click.option("--date", "date", metavar="YYYY-MM-DD", help="Date of the output names and manifest (1970-01-01 to 9999-12-31); a date other than the lock's is a new release. Default SOURCE_DATE_EPOCH, else the date of <out>/manifests/lock.json (the committed bytes), else today (UTC).")
+@click.option("--release", is_flag=True, help="Make a new dated release: date today (UTC) unless --date or SOURCE_DATE_EPOCH says otherwise; says what changed in manifests/lock.json.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=REPO_ROOT, show_default=True, help="Output root (patches/, manifests/lock.json, build/tree/).")
 @click.option("--allow-pin-mismatch", is_flag=True, help="Accept an MCore base that differs from the Bridge's .dev.commit.")
 @click.option("--no-import-check", is_flag=True, help="Skip the import check (recorded as SKIPPED in the manifest).")
-@click.option("--python", "python", default=sys.executable, show_default=True, help="Interpreter for the import check (needs torch, triton==3.6.0, FLA 0.4.2).")
+@click.option("--python", "python", default=sys.executable, show_default=True, help="Interpreter for the import check (needs torch, triton==3.6.0, FLA 0.4.2); checked before any work.")
 @click.option("--no-trees", is_flag=True, help="Do not write build/tree/base and build/tree/patched.")
 @click.option("--dry-run", is_flag=True, help="Run and verify everything, write the outputs to a scratch dir only and print its path.")
 @click.option("--check", is_flag=True, help="Regenerate with the lock's date and compare with the files on disk (the lock alone in a fresh clone); exit 8 on any difference.")
 @click.option("--list-hunks", is_flag=True, help="Print the upstream commit's hunk ids (for writing a recipe) and exit.")
-@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks of errors.")
+@click.option("--no-wait", is_flag=True, help="Exit 15 at once when another run holds the output folder or a cache entry, instead of waiting for it.")
+@click.option("--debug", "debug", is_flag=True, help="Print the traceback of an error (otherwise it goes to a log file whose path is printed).")
+@click.option("-v", "--verbose", "verbose", is_flag=True, help="Alias of --debug.")
 @click.version_option(__version__)
-def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, out, allow_pin_mismatch,
-        no_import_check, python, no_trees, dry_run, check, list_hunks, verbose):
+def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, release, out,
+        allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks, no_wait, debug, verbose):
     """Backport Megatron-LM chunkwise CP for Gated DeltaNet onto the pinned tree.
 
     Writes patches/megatron/<YYYYMMDD>-<base9>.patch, patches/latest/megatron.patch and the
     hunk manifest (JSON + Markdown), after verifying the patch against the pristine base.
+    A plain run reproduces the date of manifests/lock.json; --release or --date makes a new one.
     """
-    from . import engine, output
-    from .sources import default_cache_dir
+    from . import locks
 
     err = Console(stderr=True)
+    debug = debug or verbose
+    step = {"now": "checking the inputs"}
+    cache = cache_dir or None
     try:
-        if dry_run and check:
-            raise UsageError("--dry-run and --check exclude each other.", hint="Use one of them.")
-        if check:
-            date = _check_date(date, out, err)
-        opts = engine.Options(
+        with locks.policy(wait=not no_wait):
+            _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date,
+                 release, out, allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks)
+    except PipelineError as exc:
+        if debug:
+            err.print_exception()
+        click.echo(f"error: {exc.message}\nhint: {exc.hint}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo(f"error: interrupted while {step['now']}\nhint: Run the same command again; a switch of outputs "
+                   "cut short is finished or rolled back by the next run.", err=True)
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - the one top-level handler: one line, a hint, no traceback
+        from .errors import describe_unexpected
+        from .sources import default_cache_dir
+
+        message, hint = describe_unexpected(exc, step["now"])
+        message = " ".join(message.split())
+        if debug:
+            err.print_exception()
+            hint += " (traceback above)"
+        else:
+            log = _save_traceback(exc, [(cache or default_cache_dir()) / "logs"])
+            hint += f" The traceback is in {log}." if log else " Re-run with --debug for the traceback."
+        click.echo(f"error: {message}\nhint: {hint}", err=True)
+        sys.exit(1)
+
+
+def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, release, out,
+         allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks):
+    from . import engine, locks, output
+    from .sources import default_cache_dir
+
+    if dry_run and check:
+        raise UsageError("--dry-run and --check exclude each other.", hint="Use one of them.")
+    if release and (check or list_hunks):
+        raise UsageError("--release makes new outputs; it excludes --check and --list-hunks.",
+                         hint="Drop --release, or run it on its own.")
+
+    def options(day: Optional[str]) -> "engine.Options":
+        return engine.Options(
             recipe=recipe, upstream=upstream, megatron_lm=megatron_lm, megatron_bridge=megatron_bridge,
-            cache_dir=cache_dir or default_cache_dir(), carry=carry, date=engine.parse_date(date),
-            allow_pin_mismatch=allow_pin_mismatch, offline=offline, import_check=not no_import_check,
+            cache_dir=cache_dir or default_cache_dir(), carry=carry, date=engine.parse_date(day),
+            allow_pin_mismatch=allow_pin_mismatch, offline=offline, import_check=not no_import_check and not list_hunks,
             python=str(Path(python).absolute()) if "/" in python else python,
         )
-        if list_hunks:
-            for line in engine.list_hunks(opts, progress=lambda msg: err.print(f"[dim]… {msg}[/dim]")):
-                click.echo(line)
-            return
-        with err.status("backport") as status:
-            build = engine.build(opts, progress=lambda msg: (status.update(msg), err.print(f"[dim]… {msg}[/dim]")))
+
+    def say(msg: str) -> None:
+        step["now"] = msg
+        err.print(f"[dim]… {msg}[/dim]", highlight=False)
+
+    # Inputs first (before any lock or work): flags, --date/SOURCE_DATE_EPOCH, --python.
+    engine.validate(options(date))
+    if list_hunks:
+        step["now"] = "listing the upstream hunks"
+        for line in engine.list_hunks(options(date), progress=say):
+            click.echo(line)
+        return
+    if dry_run:
+        day, source = _date_choice(date, release, out, check=False)
+        opts = options(day)
+        say(f"date {opts.date[:4]}-{opts.date[4:6]}-{opts.date[6:]} from {source}")
+        build = _build(err, opts, say)
+        import tempfile
+
+        step["now"] = "writing the dry-run outputs"
+        scratch = Path(tempfile.mkdtemp(prefix="gdn-backport-dry-"))
+        written = output.write(build, scratch, trees=False)
+        Console(width=200).print(_summary(build, written, "dry-run"))
+        click.echo(f"dry run: outputs in {scratch}; nothing else written")
+        return
+
+    step["now"] = f"taking the lock of the output folder {out}"
+    with locks.hold(out / output.OUTPUT_LOCK, f"the output folder {out}"):
+        step["now"] = f"recovering {out} from a killed run"
+        done = output.recover(out)
+        if done:
+            click.echo(f"recovered {out}: {done}", err=True)
+        day, source = _date_choice(date, release, out, check)
+        opts = options(day)
+        lock_day = output.lock_date(out)
+        shown = f"{opts.date[:4]}-{opts.date[4:6]}-{opts.date[6:]}"
+        say(f"{'check: ' if check else ''}date {shown} from {source}")
+        if check and lock_day and shown != lock_day:
+            click.echo(f"warning: {output.LOCK} is dated {lock_day}; checking with another date ({source}) "
+                       "makes the lock differ. Drop it to check against the lock's date.", err=True)
+        build = _build(err, opts, say)
         out_console = Console(width=200)
         if check:
+            step["now"] = f"comparing with the outputs in {out}"
             report = output.check(build, out)
             out_console.print(_summary(build, [f"{rel}: {verdict}" for rel, verdict in report.items()], "check"))
             return
-        if dry_run:
-            import tempfile
-
-            scratch = Path(tempfile.mkdtemp(prefix="gdn-backport-dry-"))
-            written = output.write(build, scratch, trees=False)
-            out_console.print(_summary(build, written, "dry-run"))
-            click.echo(f"dry run: outputs in {scratch}; nothing else written")
-            return
+        old_lock = _read_json(out / output.LOCK)
+        step["now"] = f"writing the outputs to {out}"
         t0 = time.perf_counter()
         written = output.write(build, out, trees=not no_trees)
         build.timings["write_s"] = time.perf_counter() - t0
         out_console.print(_summary(build, written, "write"))
-    except PipelineError as exc:
-        if verbose:
-            err.print_exception()
-        click.echo(f"error: {exc.message}\nhint: {exc.hint}", err=True)
-        sys.exit(exc.exit_code)
+        changes = _lock_changes(old_lock, output.lock_data(build))
+        if not changes:
+            click.echo(f"lock: {output.LOCK} unchanged (dated {shown}, as committed)")
+        else:
+            click.echo(f"release: {output.LOCK} changed: {'; '.join(changes)}. Commit it to publish this "
+                       f"release, or `git checkout {output.LOCK}` and run without --date/--release to undo.")
+
+
+def _build(err, opts, say):
+    from . import engine
+
+    with err.status("backport") as status:
+        return engine.build(opts, progress=lambda msg: (status.update(msg), say(msg)))
+
+
+def _ascii_safe_streams() -> None:
+    """Under a non-UTF-8 locale (LC_ALL=C, PYTHONUTF8=0) escape what the terminal cannot show."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        if encoding != "utf8" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
 
 
 def main(argv: Optional[list] = None) -> None:
     """Entry point of ``tools/backport`` and the ``gdn-backport`` script."""
+    _ascii_safe_streams()
     cli.main(args=argv, prog_name="tools/backport")

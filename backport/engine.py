@@ -89,7 +89,7 @@ class Build:
 
 def _git(cwd: Path, *args: str) -> str:
     env = {**os.environ, **GIT_ENV}
-    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, encoding="utf-8").stdout
 
 
 def make_patch(files: list, header: str) -> str:
@@ -105,12 +105,12 @@ def make_patch(files: list, header: str) -> str:
         for f in files:
             if f.exists_in_base:
                 (root / f.path).parent.mkdir(parents=True, exist_ok=True)
-                (root / f.path).write_text("".join(f.base_lines))
+                (root / f.path).write_text("".join(f.base_lines), encoding="utf-8")
         _git(root, "add", "-A")
         _git(root, "commit", "-q", "--allow-empty", "-m", "base")
         for f in files:
             (root / f.path).parent.mkdir(parents=True, exist_ok=True)
-            (root / f.path).write_text(f.text)
+            (root / f.path).write_text(f.text, encoding="utf-8")
         _git(root, "add", "-A")
         diff = _git(root, "diff", "--cached", "--no-color", "--no-renames", "--no-ext-diff",
                     "--full-index", "-U3", "--src-prefix=a/", "--dst-prefix=b/")
@@ -129,7 +129,7 @@ class _Run:
 
     def base_text(self, path: str) -> Optional[str]:
         p = self.base_tree / path
-        return p.read_text() if p.is_file() else None
+        return p.read_text(encoding="utf-8") if p.is_file() else None
 
     def file(self, path: str):
         return self.ws.get(path, self.base_text)
@@ -142,7 +142,7 @@ class _Run:
 
     def _apply_carry(self) -> None:
         try:
-            patch = PatchSet(self.carry.read_text())
+            patch = PatchSet(self.carry.read_text(encoding="utf-8"))
         except Exception as exc:  # unidiff raises its own parse errors
             raise ApplyError(f"carried patch {self.carry} cannot be parsed: {exc}",
                              hint="Pass a unified diff made with `git diff` against the pinned base.") from exc
@@ -183,7 +183,7 @@ class _Run:
             state = self.file(step.path)
             if state.exists_in_base:
                 raise ApplyError(f"step {step.id}: {step.path} already exists in the base tree.")
-            state.replace_text((ADAPTATIONS / step.template).read_text(), step.id)
+            state.replace_text((ADAPTATIONS / step.template).read_text(encoding="utf-8"), step.id)
             self.origins[step.id] = {"kind": "adaptation", "template": step.template, "adapts": step.adapts,
                                      "why": step.why, "status": "applied"}
         elif isinstance(step, Transform):
@@ -268,6 +268,7 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
 
     from .verify import verify
 
+    validate(opts)
     t0 = time.perf_counter()
     timings = {}
     recipe, recipe_sha = load_recipe(opts.recipe)
@@ -375,28 +376,74 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
                  cold=mlm.cold or bridge.cold, recipe=recipe)
 
 
+#: The dates outputs may carry: from the Unix epoch (SOURCE_DATE_EPOCH=0) to 9999-12-31, the
+#: last day a YYYYMMDD name can hold.
+DATE_RANGE = ("1970-01-01", "9999-12-31")
+EPOCH_MAX = 253402300799  # 9999-12-31T23:59:59Z
+
+
 def parse_date(value: Optional[str]) -> str:
     """``YYYYMMDD`` from ``--date`` (YYYY-MM-DD or YYYYMMDD), else ``SOURCE_DATE_EPOCH``, else today (UTC).
 
+    Dates run from 1970-01-01 to 9999-12-31 (:data:`DATE_RANGE`); ``SOURCE_DATE_EPOCH`` is
+    whole seconds since 1970-01-01 UTC, 0 to :data:`EPOCH_MAX`.
+
     Raises:
-        UsageError: malformed date.
+        UsageError: malformed or out-of-range date or SOURCE_DATE_EPOCH.
     """
     import datetime as dt
 
     if value:
         for fmt in ("%Y-%m-%d", "%Y%m%d"):
             try:
-                return dt.datetime.strptime(value, fmt).strftime("%Y%m%d")
+                day = dt.datetime.strptime(value, fmt)
+                break
             except ValueError:
                 pass
-        raise UsageError(f"--date {value!r} is not YYYY-MM-DD.", hint="For example --date 2026-11-29.")
+        else:
+            raise UsageError(f"--date {value!r} is not YYYY-MM-DD.", hint="For example --date 2026-11-29.")
+        if day.year < 1970:
+            raise UsageError(f"--date {value!r} is out of range: dates run from {DATE_RANGE[0]} to {DATE_RANGE[1]}.",
+                             hint="Give a date from 1970-01-01 on, for example --date 2026-11-29.")
+        return day.strftime("%Y%m%d")
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch:
+        hint = "Unset SOURCE_DATE_EPOCH, or set it to whole seconds since 1970-01-01 UTC (`date -u +%s`)."
         try:
-            return dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc).strftime("%Y%m%d")
+            seconds = int(epoch)
         except ValueError as exc:
-            raise UsageError(f"SOURCE_DATE_EPOCH={epoch!r} is not an integer.") from exc
+            raise UsageError(f"SOURCE_DATE_EPOCH={epoch!r} is not an integer.", hint=hint) from exc
+        if not 0 <= seconds <= EPOCH_MAX:
+            raise UsageError(f"SOURCE_DATE_EPOCH={epoch!r} is out of range: it must be 0 to {EPOCH_MAX} "
+                             f"({DATE_RANGE[0]} to {DATE_RANGE[1]}).", hint=hint)
+        return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y%m%d")
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
+
+
+def validate(opts: Options) -> None:
+    """Check the inputs that can be checked before any work (called first by :func:`build`).
+
+    Raises:
+        UsageError: ``opts.date`` is not a YYYYMMDD day in :data:`DATE_RANGE`, or the
+            import check is on and ``opts.python`` is not an executable interpreter.
+    """
+    import datetime as dt
+    import shutil
+
+    try:
+        day = dt.datetime.strptime(opts.date, "%Y%m%d")
+    except (TypeError, ValueError):
+        day = None
+    if day is None or day.year < 1970 or len(opts.date) != 8:
+        raise UsageError(f"date {opts.date!r} is not a YYYYMMDD day from {DATE_RANGE[0]} to {DATE_RANGE[1]}.",
+                         hint="For example --date 2026-11-29.")
+    if opts.import_check:
+        python = opts.python
+        found = python if "/" in python else shutil.which(python)
+        if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
+            raise UsageError(f"--python {python}: no such executable interpreter; it runs the import check.",
+                             hint="Pass an interpreter with torch, triton 3.6.0 and FLA 0.4.2 (e.g. "
+                                  "--python $PWD/.venv/bin/python after `make venv`), or --no-import-check.")
 
 
 def list_hunks(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> list[str]:

@@ -2,10 +2,15 @@
 
 Every error carries a distinct exit code and a ``hint``: the next thing the user
 should do. The CLI prints ``error: <message>`` then ``hint: <hint>`` on stderr and
-exits with ``exit_code``. Exit codes are documented in the README.
+exits with ``exit_code``. Exit codes are documented in the README. Anything else that
+escapes (an ``OSError`` from a full disk, a bug) is turned into the same two lines by
+:func:`describe_unexpected`, with exit code 1.
 """
 
 from __future__ import annotations
+
+import errno
+import shutil
 
 
 class PipelineError(Exception):
@@ -17,7 +22,7 @@ class PipelineError(Exception):
     """
 
     exit_code = 1
-    default_hint = "Re-run with --verbose for details."
+    default_hint = "Re-run with --debug for the traceback."
 
     def __init__(self, message: str, hint: str | None = None):
         self.message = message
@@ -82,3 +87,58 @@ class ImageError(PipelineError):
 
     exit_code = 9
     default_hint = "Read the log tail above; `make image` rebuilds from the verified patch."
+
+
+class BusyError(PipelineError):
+    """Another run holds the output folder or a cache entry, and ``--no-wait`` was given."""
+
+    exit_code = 15
+    default_hint = "Wait for the other run to finish, or drop --no-wait."
+
+
+class WriteError(PipelineError):
+    """Outputs or a cache entry could not be written (disk full, read-only, permissions).
+
+    Same exit code as an unexpected error (1): both are system failures, not the inputs'.
+    """
+
+    exit_code = 1
+    default_hint = "Fix the file system problem named above and run the same command again."
+
+
+def oserror_hint(exc: OSError, path: "str | None" = None) -> str:
+    """What to do about ``exc`` (by errno), naming ``path`` (default: the exception's file)."""
+    where = path or exc.filename or "the output folder"
+    if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
+        return f"Free space on the file system holding {where} (`df -h {where}`), then run the same command again."
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"Make {where} writable (or choose another --out / --cache-dir), "
+                "then run the same command again.")
+    if exc.errno == errno.ENOENT:
+        return f"{where} does not exist; check the path, then run the same command again."
+    return "Fix the file system problem named above, then run the same command again."
+
+
+def describe_unexpected(exc: BaseException, step: str) -> tuple[str, str]:
+    """(one-line message, hint) for an exception that is not a :class:`PipelineError`.
+
+    Args:
+        exc: the exception that escaped.
+        step: what the run was doing ("writing outputs", "assembling the base tree", ...).
+    """
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
+        src, dst, why = exc.args[0][0]
+        more = len(exc.args[0]) - 1
+        text = f"copying {src} to {dst} failed: {why}" + (f" (and {more} more)" if more else "")
+        code = getattr(why, "errno", None) if isinstance(why, OSError) else None
+        fake = OSError(code or errno.EIO, str(why), dst)
+        if "No space left" in str(why):
+            fake = OSError(errno.ENOSPC, str(why), dst)
+        return f"{step} failed: {text}", oserror_hint(fake, dst)
+    if isinstance(exc, OSError):
+        what = exc.strerror or str(exc)
+        path = f": {exc.filename}" if exc.filename else ""
+        return f"{step} failed: {what}{path}", oserror_hint(exc)
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return (f"{step} failed: unexpected {type(exc).__name__}" + (f": {first}" if first else ""),
+            "This is a bug in gdn-backport or an unforeseen input; report it with the log named below.")

@@ -239,7 +239,7 @@ def preflight(inputs: Inputs, flavour: Flavour) -> Preflight:
                              "Restore it with `git checkout -- <path>`, then `make image`.")
     patch_sha = sha256_file(inputs.patch)
     try:
-        manifest = json.loads(inputs.manifest.read_text())
+        manifest = json.loads(inputs.manifest.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise InputError(f"{inputs.manifest} is not JSON: {exc}") from exc
     want = manifest.get("patch", {}).get("sha256")
@@ -248,13 +248,13 @@ def preflight(inputs: Inputs, flavour: Flavour) -> Preflight:
             f"{inputs.patch} (sha256 {patch_sha[:12]}) is not the patch {inputs.manifest} "
             f"describes (sha256 {want[:12]})",
             "Regenerate both with `tools/backport --upstream 5139086e`, then `make image`.")
-    lock_pins = {n: e.version for n, e in parse_lock(inputs.lock.read_text()).items()}
+    lock_pins = {n: e.version for n, e in parse_lock(inputs.lock.read_text(encoding="utf-8")).items()}
     if flavour.torch_from == "wheel":
         wheel = inputs.torch_wheel
         if not wheel.is_file():
             raise InputError(f"cpu torch wheel not found at {wheel}",
                              "Pass --torch-wheel PATH (the file named in docker/torch-cpu.lock).")
-        hashes = torch_lock_hashes(inputs.torch_lock.read_text())
+        hashes = torch_lock_hashes(inputs.torch_lock.read_text(encoding="utf-8"))
         if wheel.name not in hashes:
             raise InputError(f"{inputs.torch_lock} does not name {wheel.name}",
                              "Use the wheel the lock names, or update docker/torch-cpu.lock.")
@@ -262,7 +262,7 @@ def preflight(inputs: Inputs, flavour: Flavour) -> Preflight:
         if actual not in hashes[wheel.name]:
             raise InputError(f"{wheel} has sha256 {actual[:12]}, not the one in {inputs.torch_lock}",
                              "Use the exact wheel the lock names (a different build is refused).")
-    text = inputs.patch.read_text(errors="replace")
+    text = inputs.patch.read_text(encoding="utf-8", errors="replace")
     return Preflight(
         patch_sha256=patch_sha,
         manifest_sha256=sha256_file(inputs.manifest),
@@ -575,7 +575,7 @@ def ensure_base_image(client, tag: str = CPU_BASE_IMAGE, work: Optional[Path] = 
 
 def _run_streamed(cmd: list[str], step: str, on_line: Line) -> None:
     tail: deque = deque(maxlen=LOG_TAIL)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, encoding="utf-8")
     assert proc.stdout is not None
     for line in proc.stdout:
         line = line.rstrip("\n")
@@ -822,7 +822,7 @@ def host_has_gpus() -> bool:
     if shutil.which("nvidia-smi") is None:
         return False
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, encoding="utf-8", timeout=20)
     except (OSError, subprocess.SubprocessError):
         return False
     return out.returncode == 0 and "GPU" in out.stdout
@@ -925,7 +925,7 @@ def require_gate_ok(report: dict) -> None:
 def write_json(path: Path, data: dict) -> Path:
     """The one JSON writer: sorted keys, indent 2, trailing newline."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return path
 
 

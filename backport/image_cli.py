@@ -203,9 +203,9 @@ def measure(out, **kw):
         inputs = _inputs(kw["tree"], kw["patch"], kw["manifest"], kw["lock"], kw["torch_wheel"])
         probe = img.REPO_ROOT / "build" / "image" / "probe"
         probe.mkdir(parents=True, exist_ok=True)
-        changed = img.one_line_change(inputs.patch.read_text())
-        (probe / "megatron.patch").write_text(changed)
-        manifest = json.loads(inputs.manifest.read_text())
+        changed = img.one_line_change(inputs.patch.read_text(encoding="utf-8"))
+        (probe / "megatron.patch").write_text(changed, encoding="utf-8")
+        manifest = json.loads(inputs.manifest.read_text(encoding="utf-8"))
         manifest.setdefault("patch", {})["sha256"] = img.sha256_file(probe / "megatron.patch")
         img.write_json(probe / "manifest.json", manifest)
         kw.update(no_cache=False, patch=str(probe / "megatron.patch"), manifest=str(probe / "manifest.json"))

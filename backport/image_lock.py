@@ -108,7 +108,7 @@ def parse_lock(text: str) -> dict[str, LockEntry]:
 
 def _pip(args: list[str]) -> None:
     cmd = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", *args]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    result = subprocess.run(cmd, capture_output=True, encoding="utf-8")
     if result.returncode != 0:
         tail = "\n".join((result.stdout + result.stderr).splitlines()[-20:])
         raise ImageError(f"lock: `pip {args[0]}` failed:\n{tail}",
@@ -129,13 +129,13 @@ def resolve(requirements_in: Path, torch_wheel: Path, work: Path) -> dict[str, L
     _pip(["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
           "--target", str(work / "target"), *_target_flags("3.11"),
           "-r", str(requirements_in), str(torch_wheel)])
-    return parse_report(json.loads(report.read_text()))
+    return parse_report(json.loads(report.read_text(encoding="utf-8")))
 
 
 def download_hashes(entries: dict[str, LockEntry], pythons: Iterable[str], work: Path) -> None:
     """Download every pinned wheel for each Python and add the sha256 of its bytes."""
     pins = work / "pins.txt"
-    pins.write_text("".join(f"{e.name}=={e.version}\n" for e in entries.values()))
+    pins.write_text("".join(f"{e.name}=={e.version}\n" for e in entries.values()), encoding="utf-8")
     index_hashes = {name: set(e.hashes) for name, e in entries.items()}
     for entry in entries.values():
         entry.hashes.clear()
@@ -167,5 +167,5 @@ def write_lock(requirements_in: Path, torch_wheel: Path, lock_path: Path,
         work = Path(tmp)
         entries = resolve(requirements_in, torch_wheel, work)
         download_hashes(entries, pythons, work)
-    lock_path.write_text(render_lock(entries.values(), pythons))
+    lock_path.write_text(render_lock(entries.values(), pythons), encoding="utf-8")
     return entries

@@ -1,10 +1,28 @@
-"""Write a :class:`~backport.engine.Build` to disk atomically, or compare it (``--check``).
+"""Write a :class:`~backport.engine.Build` to disk all at once, or compare it (``--check``).
 
 Layout (relative to the output root, normally the repository root):
 ``patches/megatron/<date>-<base9>.patch`` (+ ``.manifest.json``/``.manifest.md``),
 ``patches/latest/megatron.patch`` (same bytes) + ``manifest.json``/``manifest.md``,
 ``manifests/lock.json`` (committed digests), and the trees ``build/tree/base`` and
-``build/tree/patched``. Every file is staged then moved into place with ``os.replace``.
+``build/tree/patched``.
+
+All of them switch in together, through a journal under ``build/.gdn/txn/`` (ignored by git,
+same file system as the outputs):
+
+1. **stage**: every output is written under ``txn/new/`` (trees built there too);
+2. **journal**: ``txn/journal.json`` names the targets, which of them existed, and the sha256
+   of the new lock (written to a temp file, fsynced, renamed);
+3. **switch**: per target, the old file/tree is renamed to ``txn/old/`` and the new one into
+   place (``os.rename``, same file system);
+4. **commit**: the new ``manifests/lock.json`` replaces the old one (one ``os.replace``); when
+   the lock on disk is the new one, every file it names is already in place;
+5. **clean**: ``txn/`` is removed.
+
+:func:`recover` (run first by every write, and by the CLI under the output lock) finishes
+what a killed run left: without a journal it removes the staging folder; with one, it rolls
+**forward** when the lock on disk is the journal's new lock, else **back** (old files moved
+back, new ones removed). Both are idempotent, so a kill during recovery is recovered too.
+After recovery the disk holds exactly the old set or exactly the new set.
 """
 
 from __future__ import annotations
@@ -13,18 +31,29 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
+from typing import Callable, Optional
 
-from .errors import CheckMismatch
+from .errors import CheckMismatch, PipelineError, WriteError, oserror_hint
 from .manifest_md import render_markdown
 from .tree import copy_tree
 from .verify import apply_patch
 
+#: Tool state under the output root (git ignores build/): the output lock and the journal.
+LOCK = "manifests/lock.json"
+STATE = "build/.gdn"
+OUTPUT_LOCK = STATE + "/output.lock"
+TXN = STATE + "/txn"
+TREES = ("build/tree/base", "build/tree/patched")
+
+#: ``on_step(name)`` is called after each write step: the fault-injection tests kill the
+#: process there (tests/unit/test_output_atomic.py).
+StepHook = Optional[Callable[[str], None]]
+
 
 def canonical_json(data) -> bytes:
     """The one JSON writer: sorted keys, indent 2, trailing newline, UTF-8."""
-    return (json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+    return (json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def lock_data(build) -> dict:
@@ -45,7 +74,7 @@ def rendered(build) -> dict[str, bytes]:
     name = build.manifest["patch"]["name"]
     stem = name[: -len(".patch")]
     manifest_json = canonical_json(build.manifest)
-    manifest_md = render_markdown(build.manifest).encode()
+    manifest_md = render_markdown(build.manifest).encode("utf-8")
     files = {
         f"patches/megatron/{name}": build.patch,
         f"patches/megatron/{stem}.manifest.json": manifest_json,
@@ -58,47 +87,204 @@ def rendered(build) -> dict[str, bytes]:
     return dict(sorted(files.items()))
 
 
-def write(build, root: Path, trees: bool = True) -> list[Path]:
-    """Write all outputs under ``root`` atomically; return the written paths.
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
-    Files are staged in a temp dir on the same filesystem and moved with ``os.replace``;
-    the trees are built beside their targets and swapped in with a rename.
+
+def _write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif _exists(path):
+        path.unlink()
+
+
+def _sha256_file(path: Path) -> "str | None":
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def _redo(root: Path, txn: Path, rel: str, step) -> None:
+    """Put ``txn/new/rel`` in place, moving an existing target to ``txn/old/rel`` first."""
+    target, old, new = root / rel, txn / "old" / rel, txn / "new" / rel
+    if not _exists(new):
+        return  # already placed
+    if _exists(target):
+        old.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(target, old)
+        step(f"move old {rel} aside")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(new, target)
+    step(f"put new {rel} in place")
+
+
+def _undo(root: Path, txn: Path, rel: str, existed: bool, step) -> None:
+    """Undo :func:`_redo` for ``rel``: remove a placed new target, move the old one back."""
+    target, old, new = root / rel, txn / "old" / rel, txn / "new" / rel
+    if _exists(new):
+        placed = False
+    else:
+        placed = _exists(target) and (not existed or _exists(old))
+    if placed:
+        _remove(target)
+        step(f"remove new {rel}")
+    if existed and _exists(old):
+        os.rename(old, target)
+        step(f"move old {rel} back")
+
+
+def _rollback(root: Path, txn: Path, journal: dict, step) -> None:
+    for rel in reversed(journal["targets"]):
+        _undo(root, txn, rel, journal["existed"][rel], step)
+
+
+def recover(root: Path, on_step: StepHook = None) -> "str | None":
+    """Finish what a killed write left under ``root``; return what was done (None: nothing).
+
+    Call it holding the output lock. Also removes the leftovers of older versions of this
+    tool (``.gdn-stage-*`` folders in ``root``, ``build/tree/*.old``).
+
+    Raises:
+        OSError: the file system refuses a step (the journal stays; the next run retries).
     """
+    step = on_step or (lambda _name: None)
+    done = []
+    for leftover in sorted(root.glob(".gdn-stage-*")) + [root / (t + ".old") for t in TREES]:
+        if leftover.is_dir():
+            shutil.rmtree(leftover)
+            done.append(f"removed {leftover.relative_to(root)}")
+    txn = root / TXN
+    if not _exists(txn):
+        return "; ".join(done) or None
+    journal_path = txn / "journal.json"
+    try:
+        journal = json.loads(journal_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        journal = None  # killed while staging: the old outputs were never touched
+    if journal is None:
+        shutil.rmtree(txn)
+        step("remove unfinished staging")
+        done.append(f"removed the unfinished staging folder {TXN} of a killed run")
+        return "; ".join(done)
+    if _sha256_file(root / LOCK) == journal["lock_sha256"]:
+        for rel in journal["targets"]:
+            _redo(root, txn, rel, step)
+        done.append(f"completed the switch of a killed run (its {LOCK} was already in place)")
+    else:
+        _rollback(root, txn, journal, step)
+        done.append(f"rolled back the switch of a killed run (its {LOCK} was not yet in place)")
+    shutil.rmtree(txn)
+    step("remove journal")
+    return "; ".join(done)
+
+
+def write(build, root: Path, trees: bool = True, on_step: StepHook = None) -> list[Path]:
+    """Write all outputs under ``root`` all at once; return the written paths.
+
+    Stages everything under ``root/build/.gdn/txn/new``, writes the journal, switches the
+    files and trees in, and replaces ``manifests/lock.json`` last (the commit point). Call
+    it holding the output lock (:data:`OUTPUT_LOCK`; the CLI does).
+
+    Args:
+        build: the verified build.
+        root: output root.
+        trees: also write ``build/tree/base`` and ``build/tree/patched``.
+        on_step: called with a step name after each step that changes the disk (tests).
+
+    Raises:
+        WriteError: a file system step failed (disk full, read-only folder...); the message
+            names the step and path; the previous outputs are back in place.
+        VerificationError: the patch does not apply to the staged tree (nothing switched).
+    """
+    step = on_step or (lambda _name: None)
     files = rendered(build)
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".gdn-stage-", dir=root))
+    recover(root, step)
+    txn = root / TXN
+    new = txn / "new"
+    targets = [rel for rel in files if rel != LOCK] + (list(TREES) if trees else [])
+    doing = f"staging the outputs in {new}"
     try:
+        new.mkdir(parents=True)
+        step("create the staging folder")
         for rel, data in files.items():
-            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-            (staging / rel).write_bytes(data)
+            doing = f"staging {rel} in {new}"
+            _write_file(new / rel, data)
+            step(f"stage {rel}")
         if trees:
-            base = staging / "build/tree/base"
-            patched = staging / "build/tree/patched"
-            copy_tree(build.base_tree, base)
-            copy_tree(build.base_tree, patched)
-            apply_patch(patched, build.patch, dry_run=False)
-        written = []
-        for rel in files:
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staging / rel, root / rel)
-            written.append(root / rel)
-        if trees:
-            for name in ("base", "patched"):
-                dest = root / "build/tree" / name
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                old = dest.with_name(name + ".old")
-                if dest.exists():
-                    dest.rename(old)
-                (staging / "build/tree" / name).rename(dest)
-                if old.exists():
-                    shutil.rmtree(old)
-                written.append(dest)
-        return written
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            doing = f"staging build/tree/base in {new}"
+            copy_tree(build.base_tree, new / TREES[0])
+            step(f"stage {TREES[0]}")
+            doing = f"staging build/tree/patched in {new}"
+            copy_tree(build.base_tree, new / TREES[1])
+            apply_patch(new / TREES[1], build.patch, dry_run=False)
+            step(f"stage {TREES[1]}")
+        journal = {"schema": 1, "targets": targets,
+                   "existed": {rel: _exists(root / rel) for rel in targets},
+                   "lock_sha256": hashlib.sha256(files[LOCK]).hexdigest()}
+        doing = f"writing the journal {txn / 'journal.json'}"
+        _write_file(txn / "journal.json.tmp", canonical_json(journal))
+        os.replace(txn / "journal.json.tmp", txn / "journal.json")
+        _fsync_dir(txn)
+        step("write the journal")
+    except (OSError, shutil.Error, PipelineError) as exc:
+        shutil.rmtree(txn, ignore_errors=True)
+        if isinstance(exc, PipelineError):
+            raise
+        raise _write_error(exc, doing, "nothing was switched in; the previous outputs are untouched") from exc
+    try:
+        for rel in targets:
+            doing = f"switching in {rel}"
+            _redo(root, txn, rel, step)
+        doing = f"replacing {LOCK}"
+        (root / LOCK).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(new / LOCK, root / LOCK)
+        _fsync_dir((root / LOCK).parent)
+        step(f"commit {LOCK}")
+    except OSError as exc:
+        try:
+            _rollback(root, txn, journal, lambda _name: None)
+            shutil.rmtree(txn)
+            state = "rolled back: the previous outputs are in place"
+        except OSError as again:
+            state = (f"the roll-back failed too ({again.strerror}: {again.filename}); the next run finishes "
+                     f"it from the journal in {txn}")
+        raise _write_error(exc, doing, state) from exc
+    try:
+        shutil.rmtree(txn)
+        step("remove the journal")
+    except OSError:
+        pass  # committed; the next run removes what is left
+    return [root / rel for rel in files] + ([root / t for t in TREES] if trees else [])
 
 
-LOCK = "manifests/lock.json"
+def _write_error(exc: BaseException, doing: str, state: str) -> WriteError:
+    if isinstance(exc, shutil.Error):
+        from .errors import describe_unexpected
+
+        message, hint = describe_unexpected(exc, doing)
+        return WriteError(f"{message}; {state}.", hint=hint)
+    return WriteError(f"{doing} failed: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+                      + f"; {state}.", hint=oserror_hint(exc))
+
+
 #: Report word of a generated file that is not on disk while the lock pins its digest.
 PINNED_BY_LOCK = "absent; covered by the patch and manifest sha256 in " + LOCK
 
@@ -118,7 +304,7 @@ def lock_date(root: Path) -> "str | None":
     if not path.exists():
         return None
     try:
-        value = json.loads(path.read_text())["date"]
+        value = json.loads(path.read_text(encoding="utf-8"))["date"]
         return dt.datetime.strptime(value, "%Y-%m-%d").strftime("%Y-%m-%d")
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckMismatch(f"{path} is not a lock with a date ({exc.__class__.__name__}: {exc})",
@@ -162,7 +348,7 @@ def check(build, root: Path) -> dict[str, str]:
 
 def _date_on_disk(path: Path) -> "str | None":
     try:
-        return str(json.loads(path.read_text())["date"])
+        return str(json.loads(path.read_text(encoding="utf-8"))["date"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -175,11 +361,11 @@ def _mismatch_hint(build, root: Path) -> "str | None":
     if lock_day and lock_day != day:
         return (f"This check rebuilt the {day} patch, but {LOCK} is dated {lock_day} (the date is part of the "
                 f"patch). Run the check without --date and with SOURCE_DATE_EPOCH unset to use the lock's date; "
-                f"re-date the lock only on purpose (`tools/backport`, then commit {LOCK}).")
+                f"re-date the lock only on purpose (`tools/backport --release`, then commit {LOCK}).")
     if latest_day and latest_day != day:
         return (f"patches/latest holds the {latest_day} outputs, and this check rebuilt the lock's {day} ones. "
                 f"To check the committed lock alone, run the check in a clean clone (or with --out at a folder "
-                f"holding only {LOCK}); to compare on disk, first run `tools/backport --date {day}`.")
+                f"holding only {LOCK}); to compare on disk, first run `tools/backport` (it takes the lock's date).")
     return None
 
 

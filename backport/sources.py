@@ -1,7 +1,10 @@
 """Upstream sources: remote or local mirrors, kept in a local bare cache (gitpython).
 
 Later runs work offline from the cache. Every commit is recorded by its full SHA; a
-short SHA is accepted only when it resolves to exactly one commit.
+short SHA is accepted only when it resolves to exactly one commit. Clones and fetches into
+``<cache>/<name>.git`` happen under that entry's lock (``<name>.git.lock``); a clone is made in
+``<name>.git.partial`` and renamed into place only when complete. A shallow source is refused
+(its history cannot prove the pins), and shallow history never enters the cache.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +20,7 @@ from typing import Callable, Optional
 
 import git
 
+from . import locks
 from .errors import PinError, SourceError
 
 DEFAULT_URLS = {
@@ -130,6 +135,23 @@ class Source:
         return int(self.repo.git.rev_list("--count", f"{ancestor}..{descendant}"))
 
 
+def is_shallow(path: "str | Path") -> bool:
+    """True when the git repository at ``path`` (bare or not) has shallow history."""
+    try:
+        out = git.Repo(path).git.rev_parse("--is-shallow-repository")
+    except (git.GitCommandError, git.InvalidGitRepositoryError, git.NoSuchPathError):
+        return (Path(path) / "shallow").exists() or (Path(path) / ".git" / "shallow").exists()
+    return out.strip() == "true"
+
+
+def _shallow_error(name: str, location: str) -> SourceError:
+    return SourceError(
+        f"{name}: {location} is a shallow clone: fetch its full history; its commits cannot prove "
+        "the pins (base ancestry, commit count).",
+        hint=f"Run `git -C {location} fetch --unshallow` (or clone it without --depth), "
+             "then run the same command again.")
+
+
 def open_source(
     name: str,
     location: Optional[str],
@@ -150,48 +172,69 @@ def open_source(
         offline: never contact ``location``; fail if the cache lacks a needed commit.
 
     Raises:
-        SourceError: clone/fetch failed or a needed commit is unavailable.
+        SourceError: clone/fetch failed, the source or cache is shallow, or a needed commit is
+            unavailable offline.
+        PinError: a needed commit is not in ``location`` even after fetching.
+        BusyError: another run is cloning/fetching this entry and the run does not wait.
     """
     location = location or os.environ.get(ENV_VARS[name]) or DEFAULT_URLS[name]
-    if os.path.isdir(location):
+    local = os.path.isdir(location)
+    if local:
         location = str(Path(location).resolve())
     cache = cache_dir / f"{name}.git"
     say = progress or (lambda _msg: None)
-    cold = False
-    if not (cache / "HEAD").exists():
-        if offline:
-            raise SourceError(f"{name}: no cache at {cache} and --offline was given.",
-                              hint=f"Run once without --offline, with --{name} pointing at a mirror.")
-        say(f"cloning {name} from {location} into {cache} (bare)")
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(cache.name + ".partial")
-        if tmp.exists():
-            import shutil
-
-            shutil.rmtree(tmp)
-        try:
-            git.Repo.clone_from(location, tmp, bare=True)
-        except git.GitCommandError as exc:
-            raise SourceError(f"{name}: clone of {location} failed: {exc.stderr.strip()[:400]}") from exc
-        tmp.rename(cache)
-        cold = True
-    repo = git.Repo(cache)
-    source = Source(name=name, location=location, repo=repo, cold=cold)
-    missing = [rev for rev in needed if not _present(source, rev)]
-    if missing:
-        if offline:
-            raise SourceError(f"{name}: cache lacks {', '.join(missing)} and --offline was given.",
-                              hint="Run without --offline so the cache can fetch.")
-        say(f"fetching {name} from {location} (missing {', '.join(m[:12] for m in missing)})")
-        try:
-            repo.git.fetch(location, "+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*", "--prune")
-        except git.GitCommandError as exc:
-            raise SourceError(f"{name}: fetch from {location} failed: {exc.stderr.strip()[:400]}") from exc
-        source.cold = True
-        still = [rev for rev in needed if not _present(source, rev)]
-        if still:
-            raise SourceError(f"{name}: {', '.join(still)} not found in {location}.",
-                              hint="Check the pin, or point at a mirror that has it.")
+    with locks.hold(cache.with_name(cache.name + ".lock"), f"the {name} cache {cache}"):
+        cold = False
+        if (cache / "HEAD").exists() and is_shallow(cache):
+            if offline:
+                raise SourceError(f"{name}: the cache {cache} holds shallow history and --offline was given.",
+                                  hint=f"Run once without --offline, with --{name} pointing at a full mirror.")
+            say(f"the cache {cache} holds shallow history (made by an older version); cloning it again")
+            shutil.rmtree(cache)
+        if not (cache / "HEAD").exists():
+            if offline:
+                raise SourceError(f"{name}: no cache at {cache} and --offline was given.",
+                                  hint=f"Run once without --offline, with --{name} pointing at a mirror.")
+            if local and is_shallow(location):
+                raise _shallow_error(name, location)
+            say(f"cloning {name} from {location} into {cache} (bare)")
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(cache.name + ".partial")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            try:
+                git.Repo.clone_from(location, tmp, bare=True)
+            except git.GitCommandError as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise SourceError(f"{name}: clone of {location} failed: {exc.stderr.strip()[:400]}") from exc
+            if is_shallow(tmp):
+                shutil.rmtree(tmp)
+                raise _shallow_error(name, location)
+            os.rename(tmp, cache)
+            cold = True
+        repo = git.Repo(cache)
+        source = Source(name=name, location=location, repo=repo, cold=cold)
+        missing = [rev for rev in needed if not _present(source, rev)]
+        if missing:
+            if offline:
+                raise SourceError(f"{name}: cache lacks {', '.join(missing)} and --offline was given.",
+                                  hint="Run without --offline so the cache can fetch.")
+            if local and is_shallow(location):
+                raise _shallow_error(name, location)
+            say(f"fetching {name} from {location} (missing {', '.join(m[:12] for m in missing)})")
+            try:
+                repo.git.fetch(location, "+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*", "--prune")
+            except git.GitCommandError as exc:
+                raise SourceError(f"{name}: fetch from {location} failed: {exc.stderr.strip()[:400]}") from exc
+            if is_shallow(cache):
+                shutil.rmtree(cache)
+                raise _shallow_error(name, location)
+            source.cold = True
+            still = [rev for rev in needed if not _present(source, rev)]
+            if still:
+                raise PinError(f"{name}: {', '.join(still)} not found in {location} (fetched just now).",
+                               hint="Check the SHA (a typo, or a commit of another repository?), or point "
+                                    f"--{name} at a mirror that has it.")
     return source
 
 

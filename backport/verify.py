@@ -113,7 +113,7 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress) -> li
         checks.append({"check": "verbatim_files", "ok": True, "detail": f"{len(verbatim)} file(s) byte-identical to upstream"})
 
         changed = sorted(f.path for f in run.ws.changed())
-        hits = [(p, s) for p in changed for s in recipe.forbidden_strings if s in (tree / p).read_text()]
+        hits = [(p, s) for p in changed for s in recipe.forbidden_strings if s in (tree / p).read_text(encoding="utf-8")]
         hits += [(p, s) for p, v in added for s in recipe.forbidden_strings if s in v]
         if hits:
             _fail("forbidden_strings", "; ".join(f"{s!r} in {p}" for p, s in sorted(set(hits))),
@@ -124,7 +124,7 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress) -> li
         if opts.import_check:
             progress("import check")
             proc = subprocess.run([opts.python, "-W", "ignore", "-c", PROBE, *recipe.import_check],
-                                  cwd=tree, capture_output=True, text=True,
+                                  cwd=tree, capture_output=True, encoding="utf-8",
                                   env={**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1",
                                        "CUDA_VISIBLE_DEVICES": ""})
             if proc.returncode != 0:

@@ -174,7 +174,7 @@ def gdn_linear_cp_forward(text: str, path: str = "gated_delta_net.py") -> Result
     (``backport/adaptations/gated_delta_net_forward.py``)."""
     module = parse(text, path)
     cls = find_class(module, "GatedDeltaNet", path)
-    template = cst.parse_module((ADAPTATIONS / "gated_delta_net_forward.py").read_text())
+    template = cst.parse_module((ADAPTATIONS / "gated_delta_net_forward.py").read_text(encoding="utf-8"))
     new_fn = find_function(template.body, "forward", "gated_delta_net_forward.py")
     # Re-indent to method level by parsing inside a class body.
     wrapped = cst.parse_module("class _T:\n" + _indent(template.code_for_node(new_fn)))

@@ -119,7 +119,7 @@ def _edit(fake_repos, **change):
     (dict(pins={"megatron_bridge": "f01ab52539282866d6d63618697f02a577643563"}), {}, PinError, 4, ".dev.commit"),
     (dict(pins={"commits_between": 2}), {}, PinError, 4, "3 commits lie between"),
     ({}, {"upstream": "BASE"}, RecipeError, 5, "is written for"),
-    ({}, {"upstream": "0123456789ab"}, SourceError, 3, "not found in"),
+    ({}, {"upstream": "0123456789ab"}, PinError, 4, "not found in"),  # README: unknown SHA is a pin error
     (dict(excluded=lambda d: d["excluded"][:1]), {}, RecipeError, 5, "tests/unit_tests/test_utils.py#1"),
 ])
 def test_build_errors(tmp_path, fake_repos, make_options, change, opts, error, code, in_message):
@@ -162,7 +162,9 @@ def test_forbidden_string_from_a_step_fails_and_nothing_is_written(tmp_path, fak
     assert result.exit_code == 7, result.output
     assert "error: verification check 'forbidden_strings' failed: 'pad_between_seqs' in megatron/core/extras.py" in result.stderr
     assert "hint: " in result.stderr
-    assert not (tmp_path / "out").exists()
+    # Nothing was written: the out folder holds only the run's lock (build/ is ignored by git).
+    assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*")
+                  if p.is_file()) in ([], [output.OUTPUT_LOCK], [output.OUTPUT_LOCK, output.OUTPUT_LOCK + ".owner"])
     with pytest.raises(VerificationError):
         build(make_options(path))
 
@@ -318,7 +320,7 @@ def test_help_lists_the_flags():
     assert result.exit_code == 0
     for flag in ("--upstream", "--recipe", "--megatron-lm", "--megatron-bridge", "--cache-dir", "--offline",
                  "--carry", "--date", "--out", "--allow-pin-mismatch", "--no-import-check", "--python",
-                 "--no-trees", "--dry-run", "--check", "--list-hunks", "--verbose"):
+                 "--no-trees", "--dry-run", "--check", "--list-hunks", "--verbose", "--debug", "--release", "--no-wait"):
         assert flag in result.output
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import git
 import pytest
 
 from backport.errors import PinError, SourceError
 from backport.sources import Source, default_cache_dir, open_source
-from backport.tree import assemble_base_tree
+from backport.tree import assemble_base_tree, tree_digest
 from backport.upstream import load_hunks
 
 from conftest import build_fake_repos, commit, git as run_git, init_repo
@@ -77,11 +79,12 @@ def test_missing_commit_is_fetched_into_the_cache(tmp_path):
     assert any(m.startswith("fetching megatron-lm") for m in said)
 
 
-def test_commit_absent_from_the_mirror_is_source_error(fake_repos, tmp_path):
+def test_commit_absent_from_the_mirror_is_pin_error(fake_repos, tmp_path):
+    """The mirror was read and fetched; the SHA names nothing in it: a pin error (README: 4)."""
     missing = "0123456789abcdef0123456789abcdef01234567"
-    with pytest.raises(SourceError, match="not found in") as exc:
+    with pytest.raises(PinError, match="not found in") as exc:
         open_source("megatron-lm", str(fake_repos.mlm), tmp_path / "cache", (missing,))
-    assert exc.value.exit_code == 3
+    assert exc.value.exit_code == 4
 
 
 def test_clone_failure_is_source_error(tmp_path):
@@ -194,12 +197,17 @@ def test_base_tree_overlays_mcore_on_the_bridge(fake_repos, tmp_path):
     assert (meg / "core/bridge_only.py").read_text() == "ONLY_IN_BRIDGE = True\n"
     assert (meg / "bridge/models/gdn_bridge.py").is_file()
     assert not (meg / "core/context_parallel_layout.py").exists()
-    assert (root / ".complete").read_text() == f"bridge {fake_repos.bridge}\nmcore {fake_repos.base}\n"
-    # cached: a second call returns the same tree without rebuilding it
-    marker = meg / "marker"
-    marker.write_text("kept")
+    record = json.loads((root / ".complete").read_text())
+    assert (record["bridge"], record["mcore"]) == (fake_repos.bridge, fake_repos.base)
+    assert (record["files"], record["sha256"]) == tree_digest(meg)
+    # cached: a second call returns the same tree without rebuilding it (same record inode)
+    inode = (root / ".complete").stat().st_ino
     assert assemble_base_tree(bridge, fake_repos.bridge, mlm, fake_repos.base, cache) == root
-    assert marker.read_text() == "kept"
+    assert (root / ".complete").stat().st_ino == inode
+    # ... and a changed entry is not reused: it is rebuilt (tests/unit/test_concurrency.py has more)
+    (meg / "marker").write_text("foreign")
+    assert assemble_base_tree(bridge, fake_repos.bridge, mlm, fake_repos.base, cache) == root
+    assert not (meg / "marker").exists()
 
 
 def test_hunk_ids_are_path_and_position(mlm, fake_repos):
