@@ -2,9 +2,8 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Local mirrors of the upstream repositories (used when present; otherwise the GitHub URLs).
-MEGATRON_LM_REPO ?= $(wildcard /work/.mirror/NVIDIA+Megatron-LM/repo)
-MEGATRON_BRIDGE_REPO ?= $(wildcard /work/.mirror/NVIDIA-NeMo+Megatron-Bridge/repo)
+# Upstream sources: only from the environment (MEGATRON_LM_REPO / MEGATRON_BRIDGE_REPO, a URL or
+# a local mirror); unset, tools/backport uses the GitHub URLs. No machine-specific default here.
 export MEGATRON_LM_REPO MEGATRON_BRIDGE_REPO
 
 .PHONY: venv patch release check-patch test test-unit test-image

@@ -153,7 +153,8 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
     """
     from . import locks
 
-    err = Console(stderr=True)
+    # Not a terminal (CI, a pipe, a log file): one line per message, never wrapped mid-phrase.
+    err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
     debug = debug or verbose
     step = {"now": "checking the inputs"}
     cache = cache_dir or None

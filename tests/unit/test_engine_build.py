@@ -391,3 +391,15 @@ def test_cli_check_takes_the_lock_date(tmp_path, fake_repos, recipe):
                           env={"SOURCE_DATE_EPOCH": "1767398400"})  # 2026-01-03T00:00:00Z
     assert epoch.exit_code == 8
     assert "check: date 2026-01-03 from SOURCE_DATE_EPOCH" in epoch.stderr
+
+
+def test_progress_is_one_line_per_step_when_stderr_is_not_a_terminal(tmp_path, fake_repos, recipe):
+    """Piped stderr (CI, logs): every progress message stays on its own line, however long."""
+    long_cache = tmp_path / ("a-rather-long-cache-folder-name-" * 4)
+    base = ["--recipe", str(recipe), "--cache-dir", str(long_cache), "--megatron-lm", str(fake_repos.mlm),
+            "--megatron-bridge", str(fake_repos.bridge_repo), "--no-import-check", "--date", "2026-01-02",
+            "--dry-run"]
+    result = CliRunner().invoke(cli, base)
+    assert result.exit_code == 0, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert lines and all(ln.startswith(("… ", "warning:", "lock:", "release:")) for ln in lines), lines
