@@ -30,7 +30,12 @@ DEFAULT_RECIPE = REPO_ROOT / "manifests" / "gdn-chunkwise-cp.yaml"
 
 
 def _summary(build, written: list, mode: str) -> Table:
-    m = build.manifest
+    return _summary_table(build.manifest, written, mode, build.timings, build.cold)
+
+
+def _summary_table(m: dict, written: list, mode: str, timings: Optional[dict] = None,
+                   cold: Optional[bool] = None) -> Table:
+    """The run's table from a manifest dict; ``timings`` None (``--summary``) leaves out the time row."""
     table = Table(title=f"gdn-backport {mode}: {m['patch']['name']}", show_lines=False)
     table.add_column("item")
     table.add_column("value")
@@ -48,8 +53,9 @@ def _summary(build, written: list, mode: str) -> Table:
     table.add_row("sha256", m["patch"]["sha256"])
     for c in m["verification"]:
         table.add_row(f"check {c['check']}", ("ok: " if c["ok"] else "SKIPPED: ") + c["detail"])
-    t = build.timings
-    table.add_row("time", f"{t['total_s']:.1f} s ({'cold' if build.cold else 'warm'}: sources {t['sources_s']:.1f}, tree {t['base_tree_s']:.1f}, recipe {t['recipe_s']:.1f}, verify {t['verify_s']:.1f})")
+    t = timings
+    if t is not None:
+        table.add_row("time", f"{t['total_s']:.1f} s ({'cold' if cold else 'warm'}: sources {t['sources_s']:.1f}, tree {t['base_tree_s']:.1f}, recipe {t['recipe_s']:.1f}, verify {t['verify_s']:.1f})")
     for path in written:
         table.add_row("wrote" if mode == "write" else mode, str(path))
     return table
@@ -139,12 +145,14 @@ def _save_traceback(exc: BaseException, places: list) -> Optional[Path]:
 @click.option("--dry-run", is_flag=True, help="Run and verify everything, write the outputs to a scratch dir only and print its path.")
 @click.option("--check", is_flag=True, help="Regenerate with the lock's date and compare with the files on disk (the lock alone in a fresh clone); exit 8 on any difference.")
 @click.option("--list-hunks", is_flag=True, help="Print the upstream commit's hunk ids (for writing a recipe) and exit.")
+@click.option("--summary", is_flag=True, help="Print the last run's table from <out>/patches/latest/manifest.json without rebuilding, and exit.")
 @click.option("--no-wait", is_flag=True, help="Exit 15 at once when another run holds the output folder or a cache entry, instead of waiting for it.")
 @click.option("--debug", "debug", is_flag=True, help="Print the traceback of an error (otherwise it goes to a log file whose path is printed).")
 @click.option("-v", "--verbose", "verbose", is_flag=True, help="Alias of --debug.")
 @click.version_option(__version__)
 def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, release, out,
-        allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks, no_wait, debug, verbose):
+        allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks, summary, no_wait, debug,
+        verbose):
     """Backport Megatron-LM chunkwise CP for Gated DeltaNet onto the pinned tree.
 
     Writes patches/megatron/<YYYYMMDD>-<base9>.patch, patches/latest/megatron.patch and the
@@ -159,6 +167,9 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
     step = {"now": "checking the inputs"}
     cache = cache_dir or None
     try:
+        if summary:
+            _print_summary(out)
+            return
         with locks.policy(wait=not no_wait):
             _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date,
                  release, out, allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks)
@@ -264,6 +275,16 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         else:
             click.echo(f"release: {output.LOCK} changed: {'; '.join(changes)}. Commit it to publish this "
                        f"release, or `git checkout {output.LOCK}` and run without --date/--release to undo.")
+
+
+def _print_summary(out: Path) -> None:
+    """``--summary``: the table of the run that wrote ``<out>/patches/latest/manifest.json``."""
+    path = out / "patches" / "latest" / "manifest.json"
+    manifest = _read_json(path)
+    if manifest is None or "patch" not in manifest:
+        raise UsageError(f"--summary: {path} is missing or not a manifest.",
+                         hint="Run `tools/backport --upstream 5139086e` first (or pass --out where it wrote).")
+    Console(width=200).print(_summary_table(manifest, [str(path)], "summary"))
 
 
 def _build(err, opts, say):

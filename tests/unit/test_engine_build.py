@@ -320,7 +320,7 @@ def test_help_lists_the_flags():
     assert result.exit_code == 0
     for flag in ("--upstream", "--recipe", "--megatron-lm", "--megatron-bridge", "--cache-dir", "--offline",
                  "--carry", "--date", "--out", "--allow-pin-mismatch", "--no-import-check", "--python",
-                 "--no-trees", "--dry-run", "--check", "--list-hunks", "--verbose", "--debug", "--release", "--no-wait"):
+                 "--no-trees", "--dry-run", "--check", "--list-hunks", "--verbose", "--debug", "--release", "--no-wait", "--summary"):
         assert flag in result.output
 
 
@@ -403,3 +403,22 @@ def test_progress_is_one_line_per_step_when_stderr_is_not_a_terminal(tmp_path, f
     assert result.exit_code == 0, result.output
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert lines and all(ln.startswith(("… ", "warning:", "lock:", "release:")) for ln in lines), lines
+
+
+def test_summary_prints_the_last_runs_table_without_rebuilding(tmp_path, fake_repos, recipe):
+    out = tmp_path / "out"
+    out.mkdir()
+    runner = CliRunner()
+    missing = runner.invoke(cli, ["--summary", "--out", str(out)])
+    assert missing.exit_code == 2
+    assert "--summary:" in missing.stderr and "hint: Run `tools/backport" in missing.stderr
+    base = ["--recipe", str(recipe), "--cache-dir", str(tmp_path / "c"), "--megatron-lm", str(fake_repos.mlm),
+            "--megatron-bridge", str(fake_repos.bridge_repo), "--no-import-check", "--date", "2026-01-02"]
+    assert runner.invoke(cli, base + ["--out", str(out), "--no-trees"]).exit_code == 0
+    manifest = json.loads((out / "patches/latest/manifest.json").read_text(encoding="utf-8"))
+    # no sources are opened: an unreadable cache and mirror do not matter
+    shown = runner.invoke(cli, ["--summary", "--out", str(out), "--megatron-lm", "/nonexistent"])
+    assert shown.exit_code == 0, shown.output
+    assert f"gdn-backport summary: {manifest['patch']['name']}" in shown.stdout
+    assert manifest["patch"]["sha256"] in shown.stdout
+    assert "check deterministic" in shown.stdout
