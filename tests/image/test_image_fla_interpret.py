@@ -9,16 +9,19 @@ modes, SBHD and THD, empty segments in ``cu_seqlens`` (start, middle, end), int6
 that must raise ``LinearCPError`` before any collective. Shapes: hidden 64, 2+2 heads,
 K = V = 32, T = 128, float32.
 
-CI budget: the tier is marked ``fla_interpret`` and budgeted at 8 minutes wall time on 2 CPU
-cores (the subprocess is killed at 15 minutes); measured figures are in the issue's closing
-note. Deselect with ``-m "not fla_interpret"`` when the fast tier is enough; the image gate
-(``run-suite.sh``, no ``-m`` filter on CPU besides ``not gpu``) runs it.
+CI budget: the tier is marked ``fla_interpret`` and budgeted at 600 CPU seconds, i.e. at most
+5 minutes wall on 2 free cores (``test_tier_within_budget`` asserts it; measured: 152 CPU-s,
+510 s wall on 2 cores shared with a load average of about 20); the subprocess is killed at
+25 minutes wall, for machines shared with other jobs. Deselect with ``-m "not fla_interpret"``
+when the fast tier is enough; the image gate (``run-suite.sh``, whose only filter is
+``-m "not gpu"`` on CPU hosts) runs it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 
@@ -28,8 +31,8 @@ from _image_env import GDN_TREE, HERE, need_fla, need_tree
 
 pytestmark = pytest.mark.fla_interpret
 
-BUDGET_S = 480
-KILL_S = 900
+BUDGET_CPU_S = 600  # CPU seconds of the whole tier (2 ranks): at most 5 min wall on 2 free cores
+KILL_S = 1500  # wall-clock limit of the subprocess on a busy machine
 
 _cache = {}
 
@@ -40,13 +43,17 @@ def tier(tmp_path_factory) -> dict:
         out = tmp_path_factory.mktemp("fla_interpret") / "tier.json"
         env = dict(os.environ, TRITON_INTERPRET="1", FLA_CACHE_RESULTS="0", TORCHDYNAMO_DISABLE="1",
                    GDN_TREE=str(GDN_TREE), PYTHONWARNINGS="ignore")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         proc = subprocess.run([sys.executable, str(HERE / "fla_interpret_tier.py"), str(out),
                                "--timeout", str(KILL_S - 60)],
                               env=env, capture_output=True, text=True, timeout=KILL_S)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         if not out.exists():
             pytest.fail(f"the tier wrote no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         _cache["r"] = json.loads(out.read_text())
         _cache["r"]["stderr"] = proc.stderr[-2000:]
+        _cache["r"]["cpu_s"] = round(cpu_s, 1)
     return _cache["r"]
 
 
@@ -83,9 +90,15 @@ def test_real_fla_kernels(tmp_path_factory, rid):
 
 
 def test_tier_within_budget(tmp_path_factory):
-    """The whole tier ran in one world without a hang, within its CI budget."""
+    """The whole tier ran in one world without a hang, within its CI budget.
+
+    The budget is CPU time (all processes of the tier), which a shared, busy machine inflates
+    far less than wall time; on 2 free cores the wall time is about half of it.
+    """
     need_tree()
     need_fla()
     res = tier(tmp_path_factory)
+    print(f"fla_interpret tier: wall {res['wall_s']} s, CPU {res['cpu_s']} s, "
+          f"{len(res['records'])} records")
     assert res["world_error"] is None, res["world_error"]
-    assert res["wall_s"] <= BUDGET_S, f"tier took {res['wall_s']} s, budget {BUDGET_S} s"
+    assert res["cpu_s"] <= BUDGET_CPU_S, f"tier used {res['cpu_s']} CPU-s, budget {BUDGET_CPU_S}"
