@@ -62,47 +62,50 @@ def forward(
         raise NotImplementedError("GDN does not support inference for now.")
 
     is_thd = packed_seq_params is not None and packed_seq_params.qkv_format == 'thd'
+    cu_seqlens_q = None
+    cu_seqlens_q_cpu = None
     if is_thd:
         assert batch == 1, "Packed sequence expects batch dimension to be 1"
         assert (
             not self.config.deterministic_mode
         ), "Packed sequence does not support deterministic mode."
-        # cu_seqlens in PackedSeqParams are global (before the CP split).
-        cu_seqlens_q = self._resolve_cu_seqlens(
-            packed_seq_params.cu_seqlens_q_padded,
-            packed_seq_params.cu_seqlens_q,
-            plan.global_seq_len,
-            "cu_seqlens_q",
+        # cu_seqlens in PackedSeqParams are global (before the CP split). Checked on a host copy
+        # and without empty segments, which FLA 0.4.2 would assign to the wrong sequence.
+        cu_seqlens_q, cu_seqlens_q_cpu = gdn_context_parallel.packed_cu_seqlens(
+            packed_seq_params, plan.global_seq_len
         )
-        cu_seqlens_kv = self._resolve_cu_seqlens(
-            packed_seq_params.cu_seqlens_kv_padded,
-            packed_seq_params.cu_seqlens_kv,
-            plan.global_seq_len,
-            "cu_seqlens_kv",
-        )
-        assert torch.equal(cu_seqlens_q, cu_seqlens_kv), (
-            "Currently only support cu_seqlens_q equals to cu_seqlens_kv, "
-            f"but got {cu_seqlens_q=} and {cu_seqlens_kv=}"
-        )
-        assert cu_seqlens_q.shape[0] > 1, f"No packed sequence in {cu_seqlens_q=}"
-    else:
-        cu_seqlens_q = None
-    gdn_context_parallel.check_sequence_lengths(plan, cu_seqlens_q, self.conv_kernel_dim)
+    gdn_context_parallel.check_sequence_lengths(plan, cu_seqlens_q_cpu, self.conv_kernel_dim)
+    gdn_context_parallel.check_kernel_extent(
+        plan,
+        batch,
+        conv_channels=self.conv_dim_local_tp // cp_size_headwise,
+        scan_heads=self.num_value_heads // self.tp_size // cp_size_headwise,
+        key_head_dim=self.key_head_dim,
+        value_head_dim=self.value_head_dim,
+    )
 
-    # Kernel-side sequence metadata: global cu_seqlens, plus FLA's CP context on chunkwise.
+    # Kernel-side sequence metadata: global cu_seqlens (and their host copy, so that FLA needs
+    # no device sync), plus FLA's CP context on chunkwise.
     kernel_cu_seqlens = cu_seqlens_q
+    kernel_cu_seqlens_cpu = cu_seqlens_q_cpu
     chunkwise_cp_context = None
     if plan.chunkwise:
         if kernel_cu_seqlens is None:
-            kernel_cu_seqlens = (
-                torch.arange(batch + 1, device=hidden_states.device, dtype=torch.long)
-                * plan.global_seq_len
+            kernel_cu_seqlens_cpu = (
+                torch.arange(batch + 1, dtype=torch.int32) * plan.global_seq_len
             )
+            kernel_cu_seqlens = kernel_cu_seqlens_cpu.to(device=hidden_states.device)
         chunkwise_cp_context = build_cp_context(
             cu_seqlens=kernel_cu_seqlens,
             group=plan.group,
             conv1d_kernel_size=self.conv_kernel_dim,
+            cu_seqlens_cpu=kernel_cu_seqlens_cpu,
         )
+    # FLA's kernels take the host copy beside cu_seqlens (the deterministic torch path never
+    # gets packed input).
+    kernel_kwargs = (
+        {} if kernel_cu_seqlens_cpu is None else {"cu_seqlens_cpu": kernel_cu_seqlens_cpu}
+    )
 
     head_split_sections = [
         self.qk_dim_local_tp,
@@ -145,14 +148,14 @@ def forward(
     elif plan.all_gather:
         nvtx_range_push(suffix="all_gather_sequence")
         qkvzba = gdn_context_parallel.gather_zigzag_sequence(
-            qkvzba, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q
+            qkvzba, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q_cpu
         )
         nvtx_range_pop(suffix="all_gather_sequence")
         seq_len = seq_len * plan.size
     elif plan.headwise:
         if is_thd:
             outputs = []
-            for qkvzba_i in _unpack_sequence(qkvzba, cu_seqlens_q // plan.size, dim=0):
+            for qkvzba_i in _unpack_sequence(qkvzba, cu_seqlens_q_cpu // plan.size, dim=0):
                 outputs.append(
                     tensor_a2a_cp2hp(
                         qkvzba_i,
@@ -226,7 +229,7 @@ def forward(
         qkv = qkv.transpose(1, 2)  # b, d, s -> b, s, d
     else:
         assert self.activation in ["silu", "swish"]
-        conv_kwargs = {"cp_context": chunkwise_cp_context} if plan.chunkwise else {}
+        conv_kwargs = {"cp_context": chunkwise_cp_context} if plan.chunkwise else kernel_kwargs
         qkv, _ = causal_conv1d(
             x=qkv.contiguous(),
             weight=conv1d_weight.squeeze(1),  # d, 1, w -> d, w
@@ -254,7 +257,7 @@ def forward(
     nvtx_range_pop(suffix="g_and_beta")
 
     nvtx_range_push(suffix="gated_delta_rule")
-    rule_kwargs = {"cp_context": chunkwise_cp_context} if plan.chunkwise else {}
+    rule_kwargs = {"cp_context": chunkwise_cp_context} if plan.chunkwise else kernel_kwargs
     core_attn_out, last_recurrent_state = self.gated_delta_rule(
         query,
         key,
@@ -287,12 +290,12 @@ def forward(
         nvtx_range_pop(suffix="contiguous_to_zigzag")
     elif plan.all_gather:
         norm_out = gdn_context_parallel.scatter_zigzag_sequence(
-            norm_out, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q
+            norm_out, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q_cpu
         )
     elif plan.headwise:
         if is_thd:
             outputs = []
-            for norm_out_i in _unpack_sequence(norm_out, cu_seqlens_q, dim=0):
+            for norm_out_i in _unpack_sequence(norm_out, cu_seqlens_q_cpu, dim=0):
                 outputs.append(
                     tensor_a2a_hp2cp(
                         norm_out_i, seq_dim=0, head_dim=-1, cp_group=cp_group_headwise

@@ -14,6 +14,13 @@ to the shared config. Three modes exist:
   + scan on the full sequence, keep this rank's zigzag part.
 
 There is no ``auto``. Misuse raises :class:`LinearCPError` before any collective runs.
+
+Packed (THD) ``cu_seqlens`` are validated and normalised here before conv and scan see them
+(:func:`packed_cu_seqlens`): zero-length segments (repeated boundaries, as padded static
+batching makes them) are dropped, because FLA 0.4.2 numbers its chunks by counting segment
+starts and assigns every chunk after an empty segment to the wrong sequence (the conv leaves
+outputs unwritten, the scan restarts its state at the wrong token). This is a downstream fix,
+not upstream Megatron-LM behaviour.
 """
 
 from dataclasses import dataclass
@@ -66,7 +73,10 @@ def check_linear_cp_geometry(
     """
     check_linear_cp_mode(mode)
     split = tp_size * cp_size if (mode == "headwise" and cp_size > 1) else tp_size
-    for name, heads in (("linear_num_key_heads", num_key_heads), ("linear_num_value_heads", num_value_heads)):
+    for name, heads in (
+        ("linear_num_key_heads", num_key_heads),
+        ("linear_num_value_heads", num_value_heads),
+    ):
         if heads % split == 0:
             continue
         if mode == "headwise" and cp_size > 1:
@@ -144,10 +154,17 @@ def plan_linear_cp(
             actually used (a dynamic CP group may differ from the static one).
 
     Raises:
-        LinearCPError: local_cp_size mismatch; headwise with a group whose size does not
-            split the heads; chunkwise with deterministic mode, with an inference context,
-            or with SBHD input and batch > 1.
+        LinearCPError: a micro-batch without tokens (any mode and CP size); local_cp_size
+            mismatch; headwise with a group whose size does not split the heads; chunkwise
+            with deterministic mode, with an inference context, or with SBHD input and
+            batch > 1.
     """
+    if local_seq_len == 0 or batch == 0:
+        raise LinearCPError(
+            f"GDN got a micro-batch without tokens (hidden_states of {local_seq_len} x {batch} "
+            "tokens on this rank); FLA's kernels cannot run on it. Drop empty micro-batches "
+            "before the model, or give every CP rank at least one token per sequence chunk."
+        )
     group = resolve_cp_group(static_cp_group, packed_seq_params)
     size = group.size() if group is not None else 1
     local_cp_size = getattr(packed_seq_params, "local_cp_size", None)
@@ -156,7 +173,9 @@ def plan_linear_cp(
             f"PackedSeqParams.local_cp_size={local_cp_size} but its CP group has {size} ranks. "
             "Set local_cp_size to cp_group.size() when building the micro-batch."
         )
-    plan = LinearCPPlan(mode=mode, group=group, size=size, global_seq_len=local_seq_len * sp_size * size)
+    plan = LinearCPPlan(
+        mode=mode, group=group, size=size, global_seq_len=local_seq_len * sp_size * size
+    )
     if plan.headwise:
         check_linear_cp_geometry(mode, num_key_heads, num_value_heads, tp_size, size)
     if plan.chunkwise:
@@ -182,25 +201,29 @@ def plan_linear_cp(
 def check_sequence_lengths(
     plan: LinearCPPlan, cu_seqlens: Optional[torch.Tensor], conv_kernel_size: int = 1
 ) -> None:
-    """Require sequence lengths that the CP paths can split.
+    """Require sequence lengths that the CP paths can split (every mode, CP > 1).
 
-    Every packed sequence must split into 2*CP zigzag chunks (headwise THD too: its
-    per-sequence all-to-all divides the boundaries by CP). FLA's ``build_cp_context`` silently drops tail tokens of a sequence that does not
-    split into 2*CP equal zigzag chunks, and FLA's CP conv needs every rank's contiguous
-    share (total tokens / CP) to hold the conv halo (kernel - 1 tokens); both are checked
-    up front.
+    Every sequence (the global SBHD length, or each packed THD sequence) must split into
+    2*CP equal zigzag chunks: headwise undoes the zigzag split per sequence after its
+    all-to-all (``torch.chunk`` into 2*CP pieces silently reorders or drops tokens otherwise),
+    all_gather and chunkwise rebuild the natural order from it, and FLA's
+    ``build_cp_context`` silently drops the tail tokens of a sequence that does not split.
+    This also refuses a micro-batch with fewer tokens per sequence than 2*CP. FLA's CP conv
+    further needs every chunkwise rank's contiguous share (total tokens / CP) to hold the
+    conv halo (kernel - 1 tokens).
 
     Args:
         plan: from :func:`plan_linear_cp`.
-        cu_seqlens: global cumulative (padded) lengths, int32/int64 [num_seqs + 1], or None
-            for SBHD (then ``plan.global_seq_len`` is checked).
+        cu_seqlens: global cumulative (padded) lengths, int32/int64 [num_seqs + 1], best the
+            host copy from :func:`packed_cu_seqlens` (no device sync); None for SBHD (then
+            ``plan.global_seq_len`` is checked).
         conv_kernel_size: the GDN conv width (chunkwise halo check).
 
     Raises:
         LinearCPError: a length not divisible by 2*CP, or a chunkwise rank share shorter
             than the conv halo.
     """
-    if not (plan.chunkwise or plan.all_gather or (plan.headwise and cu_seqlens is not None)):
+    if plan.size == 1:
         return
     divisor = 2 * plan.size
     if cu_seqlens is None:
@@ -211,8 +234,9 @@ def check_sequence_lengths(
     if bad:
         raise LinearCPError(
             f"linear_cp_mode={plan.mode!r} with CP={plan.size} needs every sequence length "
-            f"divisible by 2*CP={divisor}; got {bad[:8]}. Pad each packed sequence to a "
-            f"multiple of {divisor} (cu_seqlens_q_padded) or change CP."
+            f"divisible by 2*CP={divisor} (the zigzag split); got {bad[:8]}. Pad each "
+            f"sequence to a multiple of {divisor} (SBHD: the sequence; THD: "
+            "cu_seqlens_q_padded) or change CP."
         )
     share = sum(lengths) // plan.size
     if plan.chunkwise and share < conv_kernel_size - 1:
@@ -223,12 +247,160 @@ def check_sequence_lengths(
         )
 
 
+CU_SEQLENS_DTYPES = (torch.int32, torch.int64)
+# FLA 0.4.2's conv and scan kernels compute some element offsets in int32 (e.g.
+# ``(bos * H + i_h) * V`` in ``fla/ops/gated_delta_rule/wy_fast.py``): a tensor handed to
+# them must hold fewer elements than this.
+KERNEL_MAX_ELEMENTS = 2**31
+
+
+def _host_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise LinearCPError(
+            f"PackedSeqParams.{name} must be a tensor, got {type(cu_seqlens).__name__}. "
+            "Build it with torch.tensor(..., dtype=torch.int32)."
+        )
+    if cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
+        raise LinearCPError(
+            f"PackedSeqParams.{name} has dtype {cu_seqlens.dtype}; GDN takes int32 or int64 "
+            "cumulative lengths. Convert it with .to(torch.int32)."
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise LinearCPError(
+            f"PackedSeqParams.{name} must be 1-D with at least two entries [0, ..., total], got "
+            f"shape {tuple(cu_seqlens.shape)}. Pass the cumulative lengths of the micro-batch."
+        )
+    # One device->host copy replaces the per-entry .item() calls; the checks below and the
+    # normalisation run on the host copy.
+    host = cu_seqlens.detach().to("cpu")
+    lengths = torch.diff(host.to(torch.long))
+    first, last = int(host[0]), int(host[-1])
+    if first != 0 or bool((lengths < 0).any()):
+        raise LinearCPError(
+            f"PackedSeqParams.{name} must start at 0 and never decrease, got "
+            f"{host.tolist()[:16]}. Pass cumulative lengths (torch.cumsum of the lengths, "
+            "with a leading 0)."
+        )
+    if last != total_tokens:
+        raise LinearCPError(
+            f"PackedSeqParams.{name}[-1]={last} but the micro-batch holds {total_tokens} tokens "
+            "(local tokens x SP x CP). cu_seqlens must be global (before the CP split) and "
+            "cover the whole packed buffer, padding included."
+        )
+    return host
+
+
+def packed_cu_seqlens(packed_seq_params, total_tokens: int):
+    """Validate and normalise the cu_seqlens of a packed (THD) micro-batch.
+
+    Like the base ``GatedDeltaNet._resolve_cu_seqlens``, the padded lengths are used when
+    given, else the actual ones, and q and kv must agree. Zero-length segments (repeated
+    boundaries, e.g. ``[0, 0, 64, 64, 200, 256, 256]``) are then dropped (``[0, 64, 200,
+    256]``): they hold no token, so the zigzag layout is unchanged, while FLA 0.4.2's
+    ``causal_conv1d`` and ``chunk_gated_delta_rule`` (``prepare_chunk_indices`` counts segment
+    starts) assign every chunk after an empty segment to the wrong sequence. Every path
+    (headwise at any CP, all_gather, chunkwise through ``build_cp_context``, CP=1) gets the
+    normalised tensor, so outputs and gradients, padding positions included, equal those of
+    the same batch without the empty segments. When both padded and actual lengths are
+    given, only the padded ones are read (as at the base), so dropping an empty padded
+    segment cannot break their correspondence.
+
+    Host syncs: one device->host copy per distinct cu_seqlens tensor (q and kv); a
+    host->device copy only when a segment was dropped. The host copy is returned so that
+    FLA (``cu_seqlens_cpu``) and :func:`check_sequence_lengths` need no sync of their own.
+
+    Args:
+        packed_seq_params: ``PackedSeqParams`` with ``qkv_format == "thd"``; global
+            cumulative lengths, int32 or int64 ``[num_seqs + 1]``.
+        total_tokens: tokens of the whole packed buffer (local tokens x SP x CP).
+
+    Returns:
+        ``(cu_seqlens, cu_seqlens_cpu)``: the normalised lengths on the device and dtype of
+        the given tensor (the very tensor when nothing was dropped), and their host copy.
+
+    Raises:
+        LinearCPError: missing, non-integer, non-1-D, not starting at 0, decreasing, not
+            ending at ``total_tokens``, or q and kv lengths that differ.
+    """
+    chosen = {}
+    for side in ("q", "kv"):
+        padded = getattr(packed_seq_params, f"cu_seqlens_{side}_padded", None)
+        name = f"cu_seqlens_{side}_padded" if padded is not None else f"cu_seqlens_{side}"
+        tensor = padded if padded is not None else getattr(packed_seq_params, name, None)
+        if tensor is None:
+            raise LinearCPError(
+                f"THD input needs PackedSeqParams.cu_seqlens_{side} (or its _padded form). "
+                "Set both, or pass SBHD input without packed_seq_params."
+            )
+        chosen[side] = (name, tensor)
+    (name_q, cu_q), (name_kv, cu_kv) = chosen["q"], chosen["kv"]
+    host_q = _host_cu_seqlens(name_q, cu_q, total_tokens)
+    if cu_kv is not cu_q:
+        host_kv = _host_cu_seqlens(name_kv, cu_kv, total_tokens)
+        if not torch.equal(host_q.to(torch.long), host_kv.to(torch.long)):
+            raise LinearCPError(
+                f"GDN needs {name_q} equal to {name_kv} (self-attention-like packing), got "
+                f"{host_q.tolist()[:16]} and {host_kv.tolist()[:16]}."
+            )
+    keep = torch.ones(host_q.numel(), dtype=torch.bool)
+    keep[1:] = host_q[1:] != host_q[:-1]
+    if bool(keep.all()):
+        return cu_q, host_q
+    host = host_q[keep]
+    return host.to(device=cu_q.device), host
+
+
+def check_kernel_extent(
+    plan: LinearCPPlan,
+    batch: int,
+    conv_channels: int,
+    scan_heads: int,
+    key_head_dim: int,
+    value_head_dim: int,
+) -> None:
+    """Refuse inputs whose conv or scan tensors FLA 0.4.2 would index past int32.
+
+    The tokens one rank hands to FLA are the whole sequence (CP=1, headwise, all_gather) or
+    its contiguous share (chunkwise). The conv input is ``[batch, tokens, conv_channels]``;
+    the scan's per-token tensors are ``[batch, tokens, scan_heads, d]`` for d = K, V and the
+    64-wide chunk matrices. Some of FLA's offsets are int32 (see
+    :data:`KERNEL_MAX_ELEMENTS`), so at 2**31 elements or more they would wrap and the
+    kernels would read or write the wrong memory; this refuses such inputs instead (a
+    conservative bound: the whole buffer, whatever the packing).
+
+    Args:
+        plan: from :func:`plan_linear_cp`.
+        batch: SBHD batch size (1 for THD).
+        conv_channels: conv channels on this rank (TP- and headwise-CP-local).
+        scan_heads: value heads the scan sees on this rank.
+        key_head_dim, value_head_dim: K and V.
+
+    Raises:
+        LinearCPError: a conv or scan tensor of 2**31 elements or more.
+    """
+    tokens = plan.global_seq_len // plan.size if plan.chunkwise else plan.global_seq_len
+    width = max(conv_channels, scan_heads * max(key_head_dim, value_head_dim, 64))
+    elements = batch * tokens * width
+    if elements >= KERNEL_MAX_ELEMENTS:
+        raise LinearCPError(
+            f"GDN would hand FLA a tensor of {elements} elements ({batch} x {tokens} tokens x "
+            f"{width}); FLA 0.4.2 indexes its conv and scan tensors with int32 offsets, which "
+            f"wrap at 2**31. Use fewer tokens per micro-batch, more CP ranks (linear_cp_mode="
+            "'chunkwise' splits the tokens, 'headwise' the heads) or more TP."
+        )
+
+
 def _rank_order(cu_seqlens: Optional[torch.Tensor], seq_len: int, cp_size: int, device) -> list:
+    # Index arithmetic on the host (no device sync when cu_seqlens is a host copy), then one
+    # host->device copy per rank's indices.
     if cu_seqlens is None:
-        cu = torch.tensor([0, seq_len], dtype=torch.long, device=device)
+        cu = torch.tensor([0, seq_len], dtype=torch.long)
     else:
-        cu = cu_seqlens.to(device=device, dtype=torch.long)
-    return [get_thd_context_parallel_rank_indices(cu, cp_size, r, "zigzag") for r in range(cp_size)]
+        cu = cu_seqlens.detach().to(device="cpu", dtype=torch.long)
+    return [
+        get_thd_context_parallel_rank_indices(cu, cp_size, r, "zigzag").to(device)
+        for r in range(cp_size)
+    ]
 
 
 class _GatherZigzag(torch.autograd.Function):
@@ -269,7 +441,8 @@ def gather_zigzag_sequence(
             ``[t_local, 1, d]`` THD), in Megatron's zigzag layout: rank r holds chunks r and
             2*CP-1-r of each sequence split into 2*CP equal chunks.
         group: CP group.
-        cu_seqlens: global cumulative lengths for THD, None for SBHD.
+        cu_seqlens: global cumulative lengths for THD (a host copy avoids a device sync),
+            None for SBHD.
 
     Returns:
         ``[s_local * CP, ...]`` on ``seq_dim``, natural order, same dtype. Differentiable.
@@ -291,7 +464,8 @@ def scatter_zigzag_sequence(
     Args:
         x_full: ``[s_global, ...]`` on ``seq_dim``, natural order.
         group: CP group; the rank's position in it picks the part.
-        cu_seqlens: global cumulative lengths for THD, None for SBHD.
+        cu_seqlens: global cumulative lengths for THD (a host copy avoids a device sync),
+            None for SBHD.
 
     Returns:
         ``[s_global / CP, ...]``, zigzag order, same dtype. Differentiable (no collective).

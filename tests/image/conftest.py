@@ -6,6 +6,8 @@
   tests that need it skip with the reason; once the tree is present, a missing patched
   symbol is a failure (tests import the contract's names directly).
 * ``gloo_world`` runs a function in a multi-process gloo world on CPU (see ``_world``).
+* Marker ``fla_interpret``: the real-kernel CPU tier (``test_image_fla_interpret``), the
+  slowest part of the CPU suite; ``-m "not fla_interpret"`` leaves it out.
 """
 
 import sys
@@ -16,6 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pytest  # noqa: E402
 
 from _image_env import need_torch  # noqa: E402  (also sets up sys.path)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "fla_interpret: real FLA kernels under the Triton interpreter (minutes on CPU)"
+    )
 
 
 @pytest.fixture

@@ -334,6 +334,79 @@ def compare_nrms(got: torch.Tensor, ref: torch.Tensor, limit: float) -> dict:
 
 
 # --------------------------------------------------------------------------------------
+# fail-fast detector
+# --------------------------------------------------------------------------------------
+
+COLLECTIVES = (
+    "all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor",
+    "_all_gather_base", "all_gather_object", "all_reduce", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "broadcast_object_list",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "gather", "scatter",
+    "new_group",
+)
+
+
+class CollectiveCalled(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def collective_bomb():
+    """Replace every collective entry point of ``torch.distributed`` (and ``distributed_c10d``)
+    by one that records its name and raises :class:`CollectiveCalled`; yields the names."""
+    import torch.distributed.distributed_c10d as c10d
+
+    called = []
+
+    def make(name):
+        def bomb(*a, **k):
+            called.append(name)
+            raise CollectiveCalled(f"collective {name} ran before the check")
+
+        return bomb
+
+    with contextlib.ExitStack() as stack:
+        for name in COLLECTIVES:
+            for mod in (dist, c10d):
+                if hasattr(mod, name):
+                    stack.enter_context(mock.patch.object(mod, name, make(name)))
+        yield called
+
+
+class ComputeStarted(RuntimeError):
+    pass
+
+
+def _compute_bomb(*args, **kwargs):
+    raise ComputeStarted("the input projection ran before the check")
+
+
+def attempt(fn, module=None) -> dict:
+    """Run ``fn()`` with :func:`collective_bomb` armed.
+
+    ``module``: a GatedDeltaNet whose ``in_proj`` must not run either (raises
+    ``ComputeStarted``): a missing check on a huge input must not reach the projection.
+
+    Returns ``{"raised": "LinearCPError" | <other exception type> | None, "message",
+    "collectives": [names the bomb recorded]}``.
+    """
+    from megatron.core.ssm.gdn_context_parallel import LinearCPError
+
+    with contextlib.ExitStack() as stack:
+        if module is not None:
+            stack.enter_context(mock.patch.object(module.in_proj, "forward", _compute_bomb))
+        called = stack.enter_context(collective_bomb())
+        try:
+            fn()
+        except LinearCPError as exc:
+            return {"raised": "LinearCPError", "message": str(exc), "collectives": list(called)}
+        except Exception as exc:  # noqa: BLE001 - reported, asserted by the caller
+            return {"raised": type(exc).__name__, "message": str(exc)[:400],
+                    "collectives": list(called)}
+    return {"raised": None, "message": "", "collectives": list(called)}
+
+
+# --------------------------------------------------------------------------------------
 # path spies
 # --------------------------------------------------------------------------------------
 

@@ -10,47 +10,9 @@ in a Triton kernel. Inputs: hidden ``[s_local, b, 128]`` float32.
 
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
-
 import pytest
 
 from _image_env import need_fla, need_tree
-
-COLLECTIVES = (
-    "all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor",
-    "_all_gather_base", "all_gather_object", "all_reduce", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "broadcast_object_list",
-    "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "gather", "scatter",
-    "new_group",
-)
-
-
-class CollectiveCalled(RuntimeError):
-    pass
-
-
-@contextlib.contextmanager
-def collective_bomb():
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    called = []
-
-    def make(name):
-        def bomb(*a, **k):
-            called.append(name)
-            raise CollectiveCalled(f"collective {name} ran before the check")
-
-        return bomb
-
-    with contextlib.ExitStack() as stack:
-        for name in COLLECTIVES:
-            for mod in (dist, c10d):
-                if hasattr(mod, name):
-                    stack.enter_context(mock.patch.object(mod, name, make(name)))
-        yield called
-
 
 _TP_GROUP = []  # this rank's size-1 tensor-parallel group, created once per worker
 
@@ -66,18 +28,10 @@ def _build(mode, cp_group, *, cp, **extra):
 
 
 def _attempt(fn):
-    """Run ``fn`` with the bomb armed; report what was raised and which collectives ran."""
-    from megatron.core.ssm.gdn_context_parallel import LinearCPError
+    """Run ``fn`` with the bomb armed (``gdn_harness.attempt``)."""
+    from gdn_harness import attempt
 
-    with collective_bomb() as called:
-        try:
-            fn()
-        except LinearCPError as exc:
-            return {"raised": "LinearCPError", "message": str(exc), "collectives": list(called)}
-        except Exception as exc:  # noqa: BLE001 - reported, asserted by the test
-            return {"raised": type(exc).__name__, "message": str(exc)[:400],
-                    "collectives": list(called)}
-    return {"raised": None, "message": "", "collectives": list(called)}
+    return attempt(fn)
 
 
 def _failfast_worker(rank, world, _):
@@ -118,7 +72,7 @@ def _failfast_worker(rank, world, _):
         u = 2 * world
         bad_thd = H.Case("bad_thd", 4 * u, [0, u + world, 4 * u], [u + world, 3 * u - world])
         x_thd = torch.randn(bad_thd.length // world, 1, hidden)
-        for mode in ("chunkwise", "all_gather"):
+        for mode in ("headwise", "chunkwise", "all_gather"):
             m, _ = _build(mode, group, cp=world)
             out[f"{mode}_sbhd_len_not_div_2cp"] = _attempt(lambda m=m: m(x_odd, None))
         for mode in ("headwise", "chunkwise", "all_gather"):
@@ -142,6 +96,45 @@ def _failfast_worker(rank, world, _):
                 psp = H.packed_seq_params(ok, "cpu", cp_group=group, local_cp_size=wrong)
                 out[f"{mode}_local_cp_size_{wrong}_vs_group_{world}"] = _attempt(
                     lambda m=m, psp=psp: m(x_ok, None, packed_seq_params=psp))
+
+        # degenerate inputs, in every mode, at CP=1 and at this CP size (issue 12)
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        def psp_of(q, kv=None):
+            kv = q if kv is None else kv
+            return PackedSeqParams(qkv_format="thd", cu_seqlens_q=q, cu_seqlens_kv=kv,
+                                   cu_seqlens_q_padded=q, cu_seqlens_kv_padded=kv)
+
+        def i32(*v):
+            return torch.tensor(v, dtype=torch.int32)
+
+        n = 8 * world  # global tokens of the THD cases, local n // world per rank
+        x_n = torch.randn(n // world, 1, hidden)
+        big = 1 << 24  # 2**24 tokens x 2048+ channels: tensors of >= 2**31 elements (a view)
+        degenerate = {
+            "sbhd_zero_tokens": (torch.randn(0, 1, hidden), None),
+            "thd_zero_tokens": (torch.randn(0, 1, hidden), psp_of(i32(0, 0))),
+            "sbhd_tokens_fewer_than_2cp": (torch.randn(1, 1, hidden), None),
+            "thd_cu_float": (x_n, psp_of(torch.tensor([0.0, n]))),
+            "thd_cu_2d": (x_n, psp_of(i32(0, n)[None])),
+            "thd_cu_not_from_zero": (x_n, psp_of(i32(4, n))),
+            "thd_cu_decreasing": (x_n, psp_of(i32(0, n - 4, n - 8, n))),
+            "thd_cu_last_mismatch": (x_n, psp_of(i32(0, n - 4))),
+            "thd_cu_q_ne_kv": (x_n, psp_of(i32(0, 4 * world, n), i32(0, n))),
+            "sbhd_2pow31_elements": (torch.zeros(1, 1, hidden).expand(big, 1, hidden), None),
+            "thd_2pow31_elements": (torch.zeros(1, 1, hidden).expand(big, 1, hidden),
+                                    psp_of(torch.tensor([0, big * world]))),
+        }
+        for mode in ("headwise", "chunkwise", "all_gather"):
+            for cp, grp in ((1, singles[rank]), (world, group)):
+                m, _ = _build(mode, grp, cp=cp)
+                for name, (xi, psp) in degenerate.items():
+                    if cp == 1 and name == "sbhd_tokens_fewer_than_2cp":
+                        continue  # fine at CP=1
+                    if cp == 1 and name == "thd_2pow31_elements":
+                        psp = psp_of(torch.tensor([0, big]))
+                    out[f"{mode}_cp{cp}_{name}"] = H.attempt(
+                        lambda m=m, xi=xi, psp=psp: m(xi, None, packed_seq_params=psp), module=m)
 
         # control: valid input in each mode does reach a collective, so the bomb can see one
         for mode in ("headwise", "chunkwise", "all_gather"):
@@ -175,6 +168,33 @@ def results(world_fn, P):
     return _cache[P]
 
 
+DEGENERATE = [
+    "sbhd_zero_tokens", "thd_zero_tokens", "sbhd_tokens_fewer_than_2cp", "thd_cu_float",
+    "thd_cu_2d", "thd_cu_not_from_zero", "thd_cu_decreasing", "thd_cu_last_mismatch",
+    "thd_cu_q_ne_kv", "sbhd_2pow31_elements", "thd_2pow31_elements",
+]
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("mode", ["headwise", "chunkwise", "all_gather"])
+@pytest.mark.parametrize("case", DEGENERATE)
+def test_degenerate_input_raises_before_any_collective_or_compute(gloo_world, P, mode, case):
+    """Zero tokens, too few tokens, malformed cu_seqlens and tensors FLA would index past int32
+    raise LinearCPError at CP=1 and CP=P, before any collective and before the projection."""
+    need_tree()
+    need_fla()
+    for rank, res in enumerate(results(gloo_world, P)):
+        for cp in (1, P):
+            key = f"{mode}_cp{cp}_{case}"
+            if key not in res:
+                assert cp == 1 and case == "sbhd_tokens_fewer_than_2cp"
+                continue
+            r = res[key]
+            assert r["raised"] == "LinearCPError", (rank, key, r)
+            assert r["collectives"] == [], (rank, key, r)
+            assert r["message"].strip(), r
+
+
 CASE_NAMES = [
     "chunkwise_deterministic",
     "chunkwise_inference_context",
@@ -184,6 +204,7 @@ CASE_NAMES = [
     "chunkwise_thd_len_not_div_2cp",
     "all_gather_sbhd_len_not_div_2cp",
     "all_gather_thd_len_not_div_2cp",
+    "headwise_sbhd_len_not_div_2cp",
     "headwise_thd_len_not_div_2cp",
     "init_auto_mode",
     "init_headwise_illegal_geometry",
@@ -258,3 +279,51 @@ def test_headwise_dynamic_group_that_cannot_split_heads_fails_fast():
         g.plan_linear_cp("headwise", _FakeGroup(2), **kwargs)
     # the same dynamic group is fine for the modes that keep all heads on each rank
     assert g.plan_linear_cp("chunkwise", _FakeGroup(2), **kwargs).size == 4
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+@pytest.mark.parametrize("cu", [
+    [0, 0, 64, 200, 256], [0, 64, 64, 200, 256], [0, 64, 200, 256, 256],
+    [0, 0, 0, 64, 64, 200, 200, 256, 256],
+])
+def test_packed_cu_seqlens_drops_empty_segments(cu, dtype):
+    """Repeated boundaries anywhere are dropped; dtype and device are kept; the host copy
+    matches (FLA and the layout helpers take it as cu_seqlens_cpu)."""
+    need_tree()
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.ssm.gdn_context_parallel import packed_cu_seqlens
+
+    t = torch.tensor(cu, dtype=getattr(torch, dtype))
+    actual = torch.tensor([0] + [max(0, c - 3) for c in cu[1:]], dtype=t.dtype).cummax(0).values
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=actual, cu_seqlens_kv=actual,
+                          cu_seqlens_q_padded=t, cu_seqlens_kv_padded=t.clone())
+    dev, host = packed_cu_seqlens(psp, 256)
+    assert dev.tolist() == [0, 64, 200, 256] and host.tolist() == [0, 64, 200, 256]
+    assert dev.dtype == t.dtype and host.device.type == "cpu"
+
+
+def test_packed_cu_seqlens_without_empty_segments_is_the_given_tensor():
+    need_tree()
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.ssm.gdn_context_parallel import packed_cu_seqlens
+
+    t = torch.tensor([0, 64, 200, 256], dtype=torch.int32)
+    dev, host = packed_cu_seqlens(PackedSeqParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t), 256)
+    assert dev is t and host.tolist() == t.tolist()
+
+
+@pytest.mark.parametrize("mode", ["headwise", "chunkwise", "all_gather"])
+def test_kernel_extent_limit_is_2_pow_31_elements(mode):
+    """The bound sits at 2**31 elements: 2**31 raise, just below passes (FLA 0.4.2 int32 offsets)."""
+    need_tree()
+    from megatron.core.ssm.gdn_context_parallel import LinearCPError, LinearCPPlan, check_kernel_extent
+
+    kernel_tokens = 2**21  # the tokens one rank hands to FLA; chunkwise holds 1/CP of them
+    plan = LinearCPPlan(mode=mode, group=None, size=2,
+                        global_seq_len=kernel_tokens * (2 if mode == "chunkwise" else 1))
+    kw = dict(scan_heads=1, key_head_dim=8, value_head_dim=8)  # scan width 64 < conv width
+    with pytest.raises(LinearCPError, match="2\\*\\*31"):
+        check_kernel_extent(plan, 1, conv_channels=1024, **kw)  # 2**21 * 1024 == 2**31
+    check_kernel_extent(plan, 1, conv_channels=1023, **kw)
