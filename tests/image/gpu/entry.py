@@ -108,6 +108,29 @@ def _init(emulate, want_fla_shim=True):
                                  "gloo_shim": shim}
 
 
+def _memory(device) -> dict:
+    """This rank's GPU memory in MiB: PyTorch's peak reservation and what the device reports
+    for the process (context, kernels' local memory and PyTorch together), where visible."""
+    import subprocess
+
+    import torch
+
+    if device.type != "cuda":
+        return {"pid": os.getpid()}
+    rec = {"pid": os.getpid(), "torch_max_reserved_mib": torch.cuda.max_memory_reserved(device) >> 20}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=20).stdout
+        for line in out.splitlines():
+            pid, used = (v.strip() for v in line.split(","))
+            if pid == str(os.getpid()):
+                rec["process_used_mib"] = int(used)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return rec
+
+
 def _emulated_kernels():
     from types import SimpleNamespace
 
@@ -217,11 +240,13 @@ def main(argv=None):
 
     gathered = [None] * world
     dist.all_gather_object(gathered, list(records))
+    memory = [None] * world
+    dist.all_gather_object(memory, _memory(device))
     if rank == 0:
         flat = [r for part in gathered for r in part]
         Path(args.out).write_text(json.dumps(
             {"job": args.job, **info, "autotune": policy, "world": world,
-             "elapsed_s": time.time() - t0, "phases": phases, "records": flat},
+             "elapsed_s": time.time() - t0, "phases": phases, "memory": memory, "records": flat},
             indent=1, default=str))
         bad = sum(not r["passed"] for r in flat)
         log(f"{args.job}: {len(flat)} records, {bad} failed")

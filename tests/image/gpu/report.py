@@ -105,7 +105,8 @@ def main(argv=None):
         jobs[job] = {"rc": d.get("rc"), "complete": d["complete"], "records": len(recs),
                      "failed": failed, "passed": ok, "elapsed_s": d.get("elapsed_s"),
                      "phases": d.get("phases"), "tree": d.get("tree") or d.get("trees"),
-                     "fla": d.get("fla"), "torch": d.get("torch"), "autotune": d.get("autotune")}
+                     "fla": d.get("fla"), "torch": d.get("torch"), "autotune": d.get("autotune"),
+                     "memory": d.get("memory")}
         all_records += recs
     for lab in ("old", "new"):
         j = jobs.get(f"oldnew-dump-{lab}")
