@@ -96,6 +96,16 @@ def log(rank, *a):
 _NORM = None
 
 
+def _harness():
+    """``tests/image/gdn_harness`` (the suite's GDN config and builders), imported from the repo."""
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "image")
+    if here not in sys.path:
+        sys.path.append(here)
+    import gdn_harness
+
+    return gdn_harness
+
+
 def make_norm_class(torch):
     """One module-level torch RMSNorm class (TE is absent); one type keeps Dynamo's guards stable."""
     global _NORM
@@ -150,33 +160,17 @@ def build_layer(args, mode, cp_size, pg_collection, torch, dtype):
 
     import dataclasses
 
-    extra = {}
-    if "linear_cp_mode" in {f.name for f in dataclasses.fields(TransformerConfig)}:
-        extra["linear_cp_mode"] = mode
-    elif mode != "headwise":
+    has_mode = "linear_cp_mode" in {f.name for f in dataclasses.fields(TransformerConfig)}
+    if not has_mode and mode != "headwise":
         raise ValueError(f"this tree has no linear_cp_mode, so only headwise runs (asked: {mode}); "
                          "use the patched tree for other modes")
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=args.hidden,
-        num_attention_heads=args.key_heads,
-        experimental_attention_variant="gated_delta_net",
-        linear_attention_freq=1,
-        linear_conv_kernel_dim=args.conv_kernel,
-        linear_key_head_dim=args.head_dim,
-        linear_value_head_dim=args.head_dim,
-        linear_num_key_heads=args.key_heads,
-        linear_num_value_heads=args.value_heads,
-        context_parallel_size=cp_size,
-        tensor_model_parallel_size=1,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=args.cpu_smoke,
-        layernorm_epsilon=1e-6,
-        perform_initialization=not args.cpu_smoke,
-        activation_func=torch.nn.functional.silu,
-        **extra,
-    )
+    # One config builder for the benchmark and the regression suite (tests/image/gdn_harness.py).
+    H = _harness()
+    geom = H.Geometry(hidden=args.hidden, k_heads=args.key_heads, v_heads=args.value_heads,
+                      dk=args.head_dim, dv=args.head_dim, conv=args.conv_kernel)
+    config = H.make_config(geom, cp=cp_size, mode=mode if has_mode else None, dtype=dtype,
+                           cpu_init=args.cpu_smoke, num_attention_heads=args.key_heads,
+                           perform_initialization=not args.cpu_smoke)
     sub = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=Norm, out_proj=RowParallelLinear)
     layer = GatedDeltaNet(config, sub, layer_number=1, pg_collection=pg_collection)
     layer = layer.to(device=dev(torch, args), dtype=dtype)
