@@ -120,7 +120,9 @@ def forward(
     # them. Under sequence parallelism the projections also move the sequence over TP, so
     # the conversion stays on the projection outputs there.
     layout_before_in_proj = (
-        plan.chunkwise and self.sp_size == 1 and hidden_states.shape[-1] < sum(head_split_sections)
+        plan.chunkwise
+        and self.sp_size == 1
+        and hidden_states.shape[-1] < sum(head_split_sections)
     )
     layout_after_out_proj = (
         plan.chunkwise and self.sp_size == 1 and hidden_states.shape[-1] < self.v_dim_local_tp
@@ -196,8 +198,14 @@ def forward(
 
     # Convolution on qkv
     nvtx_range_push(suffix="conv1d")
-    assert qkv.shape[1] == seq_len, f"GDN conv input has {qkv.shape[1]} tokens, expected {seq_len}"
-    qkv_channels_split_sections = [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp]
+    assert (
+        qkv.shape[1] == seq_len
+    ), f"GDN conv input has {qkv.shape[1]} tokens, expected {seq_len}"
+    qkv_channels_split_sections = [
+        self.qk_dim_local_tp,
+        self.qk_dim_local_tp,
+        self.v_dim_local_tp,
+    ]
     conv1d_weight = get_parameter_local_cp(
         self.conv1d.weight,
         dim=0,
