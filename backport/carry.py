@@ -50,6 +50,8 @@ REFUSALS = {
     "empty-file": "creating or deleting an empty file (no hunk GNU patch could reproduce)",
     "git-apply-differs": "git apply places or refuses a hunk differently",
 }
+_PATH_HINT = ("Make the carried patch with `git diff` inside the tree root (paths a/megatron/...); no '..', "
+              "absolute paths or symlinks leading out.")
 HINT = "Regenerate the carried patch with `git diff` (text, -U3) against the pinned base, or drop that file from it."
 
 
@@ -132,6 +134,8 @@ def _strip(name: str, prefix: str, carry: Path) -> Optional[str]:
         return None
     if name.startswith('"'):
         raise CarryRefused(carry, name, "quoted-path")
+    if name.startswith("/"):
+        check_tree_path(name, None, ApplyError, what=f"carried patch {carry.name}: path", hint=_PATH_HINT)
     if not name.startswith(prefix):
         raise CarryRefused(carry, name, "no-prefix", f"expected {prefix}...")
     return name[len(prefix):]
@@ -236,9 +240,7 @@ def check_paths(carry: Carry, root: Path) -> None:
     for cf in carry.files:
         for p in (cf.old_path, cf.new_path):
             if p is not None:
-                check_tree_path(p, root, ApplyError, what=f"carried patch {carry.source.name}: path",
-                                hint="Make the carried patch with `git diff` inside the tree root; no '..', "
-                                     "absolute paths or symlinks leading out.")
+                check_tree_path(p, root, ApplyError, what=f"carried patch {carry.source.name}: path", hint=_PATH_HINT)
                 if (root / p).is_symlink():
                     raise CarryRefused(carry.source, p, "symlink", "the base tree has a symlink there")
 
@@ -315,7 +317,7 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
             try:
                 h.offset = state.apply_hunk(h.lines, h.oid, source_symbol=h.symbol)
             except ApplyError as exc:
-                raise ApplyError(f"carried patch {name}: hunk {h.n} of {cf.path}: {exc.message}",
+                raise ApplyError(f"carried patch {name}: {exc.message}",
                                  hint=exc.hint if exc.hint != ApplyError.default_hint else
                                  "Regenerate the carried patch against the pinned base tree (zero fuzz).") from exc
             origins[h.oid] = {"kind": "carried", "header": h.header, "offset": h.offset, "symbol": h.symbol,
@@ -336,8 +338,9 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
                 state.mode_origin = f"carry:{cf.path}#mode"
                 origins[state.mode_origin] = {"kind": "carried", "status": "applied",
                                               "why": f"mode {cf.old_mode} -> {cf.new_mode} of {cf.path} in the carried patch"}
-        elif cf.kind in ("rename", "copy") and cf.old_mode:
-            state.mode = cf.old_mode
+        elif cf.kind in ("rename", "copy"):
+            src = base_tree / cf.old_path
+            state.mode = cf.old_mode or ("100755" if src.is_file() and os.stat(src).st_mode & 0o111 else "100644")
     _compare_with_git(carry, ws, base_tree)
 
 
@@ -367,9 +370,8 @@ def _first_difference(a: bytes, b: bytes) -> str:
     return f"{len(la)} vs {len(lb)} lines"
 
 
-def carried_tree(carry_path: Path, base_tree: Path) -> dict:
-    """The tool's carried tree for ``carry_path`` on ``base_tree``: ``{path: (bytes, mode) or None}``
-    for every path the carry names (the differential test compares it with git apply's).
+def carry_workspace(carry_path: Path, base_tree: Path) -> tuple[Carry, Workspace]:
+    """Parse, check and apply ``carry_path`` on ``base_tree`` alone (no recipe).
 
     Raises:
         ApplyError / CarryRefused as :func:`load_carry`, :func:`check_paths`, :func:`apply_carry`.
@@ -377,18 +379,25 @@ def carried_tree(carry_path: Path, base_tree: Path) -> dict:
     carry = load_carry(carry_path)
     check_paths(carry, base_tree)
     ws = Workspace()
+    apply_carry(carry, ws, lambda path: read_base(base_tree, path), base_tree, {})
+    return carry, ws
 
-    def reader(path: str) -> Optional[str]:
-        return read_base(base_tree, path)
 
-    apply_carry(carry, ws, reader, base_tree, {})
+def carried_tree(carry_path: Path, base_tree: Path) -> dict:
+    """The tool's carried tree for ``carry_path`` on ``base_tree``: ``{path: (bytes, mode) or None}``
+    for every path the carry names (the differential test compares it with git apply's).
+
+    Raises:
+        ApplyError / CarryRefused as :func:`carry_workspace`.
+    """
+    carry, ws = carry_workspace(carry_path, base_tree)
     out = {}
     for cf in carry.files:
         for p in (cf.old_path, cf.new_path):
             if p:
                 st = ws.files[p]
-                mode = st.mode or ("100755" if (base_tree / p).is_file() and os.stat(base_tree / p).st_mode & 0o111
-                                   else "100644")
+                base_exec = (base_tree / p).is_file() and os.stat(base_tree / p).st_mode & 0o111
+                mode = st.mode or ("100755" if base_exec else "100644")
                 out[p] = (st.text.encode("utf-8"), mode) if st.exists else None
     return out
 
