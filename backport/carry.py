@@ -15,7 +15,6 @@ file (:data:`REFUSALS`, also in ``docs/carry.md``): see :func:`load_carry`.
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 import tempfile
@@ -164,7 +163,7 @@ def load_carry(path: Path) -> Carry:
         raise CarryRefused(path, path.name, "not-a-patch", "it is empty",
                            hint="Pass a patch made with `git diff` against the pinned base, or drop --carry.")
     try:
-        patch = PatchSet(io.StringIO(text, newline=""))
+        patch = PatchSet(split_lines(text))
     except Exception as exc:  # unidiff raises its own parse errors
         raise ApplyError(f"carried patch {path.name} cannot be parsed: {exc}",
                          hint="Pass a unified diff made with `git diff` against the pinned base.") from exc

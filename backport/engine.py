@@ -28,7 +28,7 @@ from .transforms.merge import merge_carried_functions
 from .transforms.transplant import transplant
 from .tree import assemble_base_tree
 from .upstream import UpstreamHunk, load_hunks
-from .workspace import Workspace, check_tree_path
+from .workspace import Workspace, check_tree_path, split_lines
 
 ADAPTATIONS = Path(__file__).resolve().parent / "adaptations"
 GIT_ENV = {
@@ -280,7 +280,7 @@ def _attribute(patch_text: str, ws: Workspace, origins: dict) -> tuple[list, dic
     """
     stats = Counter()
     files = []
-    for pfile in PatchSet(patch_text):
+    for pfile in PatchSet(split_lines(patch_text)):
         state = ws.files[pfile.path]
         hunks = []
         for n, hunk in enumerate(pfile, start=1):

@@ -11,7 +11,6 @@ zero fuzz, no offsets, on the pristine assembled base), ``no_conflict_markers``,
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import shutil
@@ -88,7 +87,7 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress) -> li
     apply_patch(run.base_tree, patch, dry_run=True)
     checks.append({"check": "applies", "ok": True, "detail": "GNU patch -p1 --fuzz=0: no fuzz, no offsets"})
 
-    added = [(pf.path, line.value) for pf in PatchSet(io.StringIO(patch_text, newline="")) for h in pf for line in h
+    added = [(pf.path, line.value) for pf in PatchSet(split_lines(patch_text)) for h in pf for line in h
              if line.is_added]
     bad = [p for p, v in added if CONFLICT.match(v)]
     if bad:

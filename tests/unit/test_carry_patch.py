@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from backport.carry import CarryRefused, carried_tree, carry_workspace, git_apply_tree, load_carry
+from backport.carry import CarryRefused, carried_tree, git_apply_tree, load_carry
 from backport.engine import build
 from backport.errors import ApplyError, RecipeError
 from backport.recipe import load_recipe
