@@ -221,12 +221,14 @@ def load_carry(path: Path) -> Carry:
                 oid=f"carry:{cf.path}#{n}", path=cf.path, n=n, header=str(hunk).splitlines()[0], lines=h,
                 added=[ln.value for ln in hunk if ln.is_added], removed=[ln.value for ln in hunk if ln.is_removed]))
         files.append(cf)
-    seen = set()
+    written = set()  # a copy's source is only read (from the preimage), every other path is written
     for cf in files:
-        for p in {cf.old_path, cf.new_path} - {None}:
-            if p in seen and not (cf.kind == "copy" and p == cf.old_path):
+        for p in {cf.new_path} | ({cf.old_path} if cf.kind in ("modify", "delete", "rename") else set()):
+            if p is None:
+                continue
+            if p in written:
                 raise CarryRefused(path, p, "twice")
-            seen.add(p)
+            written.add(p)
     return Carry(path, raw, files)
 
 
@@ -304,7 +306,7 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
         if cf.kind in ("rename", "copy"):
             moved = f"carry:{cf.new_path}#{cf.kind}"
             src, dst = get(cf.old_path), get(cf.new_path)
-            dst.create(src.lines, moved)
+            dst.create(split_lines(base_text), moved)  # every diff of a patch is against the same preimage
             if cf.kind == "rename":
                 src.delete(moved)
             origins[moved] = {"kind": "carried", "status": "applied", "why": f"{cf.kind} from {cf.old_path} in the carried patch"}

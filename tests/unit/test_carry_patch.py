@@ -131,6 +131,10 @@ CRLF = b"def f(x):\r\n    y = x + 1\r\n    return y\r\n"
      if (r / "sub").mkdir() is None else None, ("-M",)),
     ("copy-with-edit", {"a.py": F.encode()},
      lambda r: _write(r / "c.py", F.replace("x + 1", "x + 3", 1).encode()), ("-C", "--find-copies-harder")),
+    ("copy-of-a-file-also-modified", {"a.py": F.encode()},
+     lambda r: (_write(r / "c.py", F.replace("x + 1", "x + 3", 1).encode()),
+                _write(r / "a.py", F.replace("return y\n\n\ndef g", "return -y\n\n\ndef g").encode())),
+     ("-C", "--find-copies-harder")),
     ("mode-only", {"a.py": F.encode()}, lambda r: (r / "a.py").chmod(0o755), ()),
     ("mode-and-edit", {"a.py": F.encode()},
      lambda r: (_write(r / "a.py", F.replace("x + 1", "x + 2", 1).encode()), (r / "a.py").chmod(0o755)), ()),
@@ -147,6 +151,10 @@ CRLF = b"def f(x):\r\n    y = x + 1\r\n    return y\r\n"
 def test_feature_equals_git_apply_byte_for_byte(tmp_path, name, base, change, args):
     carry, repo = make_carry(tmp_path, base, change, args)
     assert carry.read_bytes().strip(), name
+    for kind in ("copy", "rename", "mode", "deleted", "new"):
+        if kind in name.split("-"):
+            assert {"copy": b"\ncopy from ", "rename": b"\nrename from ", "mode": b"\nnew mode 100755",
+                    "deleted": b"\ndeleted file mode", "new": b"\nnew file mode"}[kind] in carry.read_bytes(), name
     ours = carried_tree(carry, repo)
     ref, message = git_apply_tree(load_carry(carry), repo)
     assert message == "" and ours == ref
