@@ -311,3 +311,15 @@ def test_engine_carries_rename_mode_delete_and_crlf_and_patch_reproduces_them(tm
     checks = {c["check"]: c for c in b.manifest["verification"]}
     assert checks["applies"]["ok"] and checks["carry_survival"]["ok"]
     assert "carry:megatron/bridge/models/gdn_bridge_v2.py#rename" in b.manifest["carry"]["hunks"]
+
+
+def test_upstream_offsets_are_warned_and_shown_in_manifest_md(recipe, make_options):
+    from backport.manifest_md import render_markdown
+
+    messages = []
+    b = build(make_options(recipe), progress=messages.append)
+    assert "warning: upstream hunk megatron/core/utils.py#1 placed at offset -3 lines" in messages
+    assert sum("warning:" in m for m in messages) == 2  # once per hunk, not again for the determinism run
+    md = render_markdown(b.manifest)
+    assert "Placed at an offset from their header line (2): `megatron/core/utils.py#1` -3" in md
+    assert "| `megatron/core/utils.py#1` | upstream-verbatim | applied | -3 |" in md
