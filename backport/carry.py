@@ -145,7 +145,7 @@ def load_carry(path: Path) -> Carry:
 
     Refused (:class:`CarryRefused`, exit 6, reason named): an empty or non-diff file; binary
     diffs; symlinks and submodules; modes other than 100644/100755; zero-context (``-U0``)
-    hunks away from the file start; paths without ``a/``/``b/`` prefixes or quoted; non-UTF-8
+    hunks (a hunk without context is accepted only when it replaces lines from the file start); paths without ``a/``/``b/`` prefixes or quoted; non-UTF-8
     text; one file changed twice; creating or deleting an empty file.
 
     Raises:
@@ -214,7 +214,7 @@ def load_carry(path: Path) -> Carry:
         for n, hunk in enumerate(pfile, start=1):
             h = hunk_lines(hunk)
             has_context = len(h.source) > len([c for c in h.changes if c[1] == "-"])
-            if not has_context and kind not in ("add", "delete") and hunk.source_start > 1:
+            if not has_context and kind not in ("add", "delete") and (hunk.source_start > 1 or not h.source):
                 raise CarryRefused(path, f"{cf.path} hunk {n}", "zero-context",
                                    hint="Regenerate the carried patch with context (plain `git diff`, -U3).")
             cf.hunks.append(CarryHunk(
