@@ -19,14 +19,16 @@ from typing import Callable, Optional
 from unidiff import PatchSet
 
 from . import __version__
-from .errors import ApplyError, PinError, RecipeError, UsageError
+from .carry import apply_carry, check_paths, load_carry, read_base
+from .errors import ApplyError, PinError, RecipeError, SourceError, UsageError
 from .recipe import AddFile, Recipe, Transform, Transplant, UpstreamFile, UpstreamHunks, check_coverage, load_recipe
 from .sources import Source, default_cache_dir, open_source
 from .transforms import REGISTRY
+from .transforms.merge import merge_carried_functions
 from .transforms.transplant import transplant
 from .tree import assemble_base_tree
 from .upstream import UpstreamHunk, load_hunks
-from .workspace import Workspace
+from .workspace import Workspace, check_tree_path, split_lines
 
 ADAPTATIONS = Path(__file__).resolve().parent / "adaptations"
 GIT_ENV = {
@@ -95,68 +97,99 @@ def _git(cwd: Path, *args: str) -> str:
 def make_patch(files: list, header: str) -> str:
     """Unified git-style diff (``a/``/``b/`` prefixes, full index) of changed files.
 
+    Files are written and the diff read as bytes (UTF-8), so CRLF line ends and a missing
+    final newline are reproduced exactly; deleted files and carried mode changes appear as
+    git writes them (GNU patch applies both).
+
     Args:
         files: :class:`~backport.workspace.FileState` objects that changed, sorted by path.
         header: comment text put before the first ``diff --git`` line.
     """
+    def put(path: Path, text: str, mode) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text.encode("utf-8"))
+        if mode:
+            path.chmod(0o755 if mode == "100755" else 0o644)
+
     with tempfile.TemporaryDirectory(prefix="gdn-diff-") as tmp:
         root = Path(tmp)
         _git(root, "init", "-q")
         for f in files:
             if f.exists_in_base:
-                (root / f.path).parent.mkdir(parents=True, exist_ok=True)
-                (root / f.path).write_text("".join(f.base_lines), encoding="utf-8")
+                put(root / f.path, "".join(f.base_lines), f.base_mode)
         _git(root, "add", "-A")
         _git(root, "commit", "-q", "--allow-empty", "-m", "base")
         for f in files:
-            (root / f.path).parent.mkdir(parents=True, exist_ok=True)
-            (root / f.path).write_text(f.text, encoding="utf-8")
+            if f.exists:
+                put(root / f.path, f.text, f.mode or f.base_mode)
+            elif (root / f.path).exists():
+                (root / f.path).unlink()
         _git(root, "add", "-A")
-        diff = _git(root, "diff", "--cached", "--no-color", "--no-renames", "--no-ext-diff",
-                    "--full-index", "-U3", "--src-prefix=a/", "--dst-prefix=b/")
+        env = {**os.environ, **GIT_ENV}
+        diff = subprocess.run(["git", "-c", "core.filemode=true", "diff", "--cached", "--no-color", "--no-renames",
+                               "--no-ext-diff", "--full-index", "-U3", "--src-prefix=a/", "--dst-prefix=b/"],
+                              cwd=root, env=env, check=True, capture_output=True).stdout.decode("utf-8")
     return header + diff
 
 
 class _Run:
-    """State of one in-memory application of carry + recipe to the base."""
+    """State of one in-memory application of carry + recipe to the base.
+
+    ``warn`` receives warnings (offsets of placed hunks) for stderr; ``carry_model`` and
+    ``carried_text`` (file text right after the carry) feed the ``carry_survival`` check.
+    """
 
     def __init__(self, recipe: Recipe, mlm: Source, upstream_sha: str, hunks: dict[str, UpstreamHunk],
-                 base_tree: Path, carry: Optional[Path]):
+                 base_tree: Path, carry: Optional[Path], warn: Callable[[str], None] = lambda _m: None):
         self.recipe, self.mlm, self.upstream_sha, self.hunks = recipe, mlm, upstream_sha, hunks
-        self.base_tree, self.carry = base_tree, carry
+        self.base_tree, self.carry, self.warn = base_tree, carry, warn
         self.ws = Workspace()
         self.origins: dict[str, dict] = {}
+        self.carry_model = None
+        self.carried_text: dict[str, Optional[str]] = {}
+        self._upstream_parent: dict[str, Optional[str]] = {}
 
     def base_text(self, path: str) -> Optional[str]:
-        p = self.base_tree / path
-        return p.read_text(encoding="utf-8") if p.is_file() else None
+        return read_base(self.base_tree, path)
 
     def file(self, path: str):
         return self.ws.get(path, self.base_text)
 
     def apply(self) -> None:
+        for step in self.recipe.steps:  # recipe paths are refused before anything is read
+            for path in _step_paths(step, self.hunks):
+                check_tree_path(path, self.base_tree, RecipeError, what=f"recipe step {step.id}: path",
+                                hint="Recipe paths are relative to the tree root (megatron/...), without '..', "
+                                     "a leading '/' or a symlink leading out.")
         if self.carry is not None:
             self._apply_carry()
         for step in self.recipe.steps:
             self._apply_step(step)
 
     def _apply_carry(self) -> None:
-        try:
-            patch = PatchSet(self.carry.read_text(encoding="utf-8"))
-        except Exception as exc:  # unidiff raises its own parse errors
-            raise ApplyError(f"carried patch {self.carry} cannot be parsed: {exc}",
-                             hint="Pass a unified diff made with `git diff` against the pinned base.") from exc
-        for pfile in patch:
-            if pfile.is_removed_file:
-                raise ApplyError(f"carried patch deletes {pfile.source_file}; deletions are not supported.",
-                                 hint="Drop the deletion from the carried patch.")
-            path = pfile.path
-            state = self.file(path)
-            for n, hunk in enumerate(pfile, start=1):
-                oid = f"carry:{path}#{n}"
-                offset = state.apply_hunk(hunk, oid)
-                self.origins[oid] = {"kind": "carried", "header": str(hunk).splitlines()[0],
-                                     "offset": offset, "why": f"hunk {n} of {path} in the carried patch"}
+        carry = load_carry(self.carry)
+        check_paths(carry, self.base_tree)
+        apply_carry(carry, self.ws, self.base_text, self.base_tree, self.origins, self.warn)
+        self.carry_model = carry
+        for cf in carry.files:
+            for path in (cf.old_path, cf.new_path):
+                if path:
+                    state = self.ws.files[path]
+                    self.carried_text[path] = state.text if state.exists else None
+        for sup in self.recipe.superseded:
+            if sup.hunk in self.origins and self.origins[sup.hunk]["kind"] == "carried":
+                self.origins[sup.hunk].update(status="superseded", superseded_by=sup.step, superseded_why=sup.why)
+            else:
+                self.warn(f"warning: the recipe declares {sup.hunk} superseded, but the carried patch has no such hunk")
+
+    def _upstream_source(self, path: str) -> Optional[str]:
+        """The file an upstream hunk was made against (the upstream commit's parent), or None."""
+        if path not in self._upstream_parent:
+            try:
+                self._upstream_parent[path] = self.mlm.read(f"{self.upstream_sha}^", path).decode("utf-8")
+            except (SourceError, UnicodeDecodeError):
+                self._upstream_parent[path] = None
+        return self._upstream_parent[path]
 
     def _apply_step(self, step) -> None:
         if isinstance(step, UpstreamFile):
@@ -170,19 +203,27 @@ class _Run:
         elif isinstance(step, UpstreamHunks):
             for hid in step.hunks:
                 uh = self.hunks[hid]
-                offset = self.file(uh.path).apply_hunk(uh.hunk, hid)
+                source = self._upstream_source(uh.path)
+                kwargs = {"source_text": source, "source_symbol": "?"} if source is not None else {}
+                try:
+                    offset = self.file(uh.path).apply_hunk(uh.hunk, hid, **kwargs)
+                except ApplyError as exc:
+                    raise ApplyError(f"step {step.id}: {exc.message}", hint=exc.hint) from exc
                 self.origins[hid] = self._upstream_origin(hid, "upstream-verbatim", step, offset=offset)
+                if offset:
+                    self.warn(f"warning: upstream hunk {hid} placed at offset {offset:+d} lines")
         elif isinstance(step, Transplant):
             state = self.file(step.path)
             up_text = self.mlm.read(step.commit, step.path).decode()
             new = transplant(state.text, up_text, step.symbols, step.path, step.commit[:12])
-            state.replace_text(new, step.id)
+            state.replace_text(self._merge_carry(step, state.text, new), step.id)
             self.origins[step.id] = {"kind": "prerequisite", "commit": step.commit, "upstream_ref": step.upstream_ref,
                                      "symbols": step.symbols, "why": step.why, "status": "applied"}
         elif isinstance(step, AddFile):
             state = self.file(step.path)
-            if state.exists_in_base:
-                raise ApplyError(f"step {step.id}: {step.path} already exists in the base tree.")
+            if state.exists_in_base or state.exists:
+                raise ApplyError(f"step {step.id}: {step.path} already exists in the "
+                                 f"{'base tree' if state.exists_in_base else 'carried patch'}.")
             state.replace_text((ADAPTATIONS / step.template).read_text(encoding="utf-8"), step.id)
             self.origins[step.id] = {"kind": "adaptation", "template": step.template, "adapts": step.adapts,
                                      "why": step.why, "status": "applied"}
@@ -192,7 +233,7 @@ class _Run:
                 raise RecipeError(f"step {step.id}: unknown transform {step.transform!r}; known: {', '.join(sorted(REGISTRY))}.")
             state = self.file(step.path)
             result = fn(state.text, step.path)
-            changed = state.replace_text(result.text, step.id)
+            changed = state.replace_text(self._merge_carry(step, state.text, result.text), step.id)
             status = result.status if changed or result.status == "already-present" else "no-op"
             if status == "no-op":
                 raise ApplyError(f"step {step.id}: transform {step.transform} changed nothing in {step.path}.")
@@ -200,10 +241,31 @@ class _Run:
             self.origins[step.id] = {"kind": kind, "transform": step.transform, "adapts": step.adapts,
                                      "why": step.why, "status": status}
 
+    def _merge_carry(self, step, before: str, after: str) -> str:
+        """``after`` with the carried changes to functions the step rewrote merged back in
+        (three-way: base body, carried body, new body); ``after`` itself without a carry."""
+        if self.carry_model is None or before == after:
+            return after
+        hunks = [h for h in self.carry_model.hunks if h.path == step.path]
+        if not hunks:
+            return after
+        base = self.base_text(step.path)
+        if base is None:
+            return after
+        superseded = {k for k, v in self.origins.items() if v.get("status") == "superseded"}
+        return merge_carried_functions(base, before, after, hunks, step, step.path, superseded)
+
     def _upstream_origin(self, hid: str, kind: str, step, offset: int) -> dict:
         uh = self.hunks[hid]
         return {"kind": kind, "commit": self.upstream_sha, "step": step.id, "header": uh.header,
                 "digest": uh.digest, "offset": offset, "why": step.why}
+
+
+def _step_paths(step, hunks: dict) -> list[str]:
+    """Every tree path a recipe step reads or writes."""
+    if isinstance(step, UpstreamHunks):
+        return sorted({hunks[h].path for h in step.hunks if h in hunks})
+    return [step.path] if hasattr(step, "path") else []
 
 
 def _attribute(patch_text: str, ws: Workspace, origins: dict) -> tuple[list, dict]:
@@ -218,7 +280,7 @@ def _attribute(patch_text: str, ws: Workspace, origins: dict) -> tuple[list, dic
     """
     stats = Counter()
     files = []
-    for pfile in PatchSet(patch_text):
+    for pfile in PatchSet(split_lines(patch_text)):
         state = ws.files[pfile.path]
         hunks = []
         for n, hunk in enumerate(pfile, start=1):
@@ -249,12 +311,15 @@ def _attribute(patch_text: str, ws: Workspace, origins: dict) -> tuple[list, dic
                 "added": hunk.added, "removed": hunk.removed,
                 "origins": sorted(per.values(), key=lambda r: r["origin"]),
             })
-        files.append({
+        record = {
             "path": pfile.path,
-            "status": "added" if pfile.is_added_file else "modified",
+            "status": "added" if pfile.is_added_file else "deleted" if pfile.is_removed_file else "modified",
             "added": pfile.added, "removed": pfile.removed,
             "hunks": hunks,
-        })
+        }
+        if state.mode_origin and state.exists:
+            record["mode"] = {"old": state.base_mode, "new": state.mode, "origin": state.mode_origin}
+        files.append(record)
     return files, dict(stats)
 
 
@@ -320,12 +385,12 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
         + "Apply with: patch -p1 --fuzz=0 < megatron.patch (from the tree root holding megatron/)\n\n"
     )
 
-    def once():
-        run = _Run(recipe, mlm, upstream_sha, hunks, base_tree, opts.carry)
+    def once(warn=lambda _m: None):
+        run = _Run(recipe, mlm, upstream_sha, hunks, base_tree, opts.carry, warn=warn)
         run.apply()
         return run, make_patch(run.ws.changed(), header)
 
-    run, patch_text = once()
+    run, patch_text = once(warn=progress)
     timings["recipe_s"] = time.perf_counter() - t2
     files, attribution = _attribute(patch_text, run.ws, run.origins)
 

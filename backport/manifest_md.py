@@ -1,4 +1,7 @@
-"""The Markdown view of the manifest (for people); the JSON is the machine view."""
+"""The Markdown view of the manifest (for people); the JSON is the machine view.
+
+Shows every origin with its status, its placement offset (non-zero offsets are also listed
+above the table) and, for a carried hunk the recipe supersedes, the step and the reason."""
 
 from __future__ import annotations
 
@@ -41,10 +44,18 @@ def render_markdown(m: dict) -> str:
             rows.append([f"`{h['id']}`", f"`{h['header'].split(' @@')[0]} @@`", f"+{h['added']} -{h['removed']}", origins])
     lines += _table(["hunk", "header", "lines", "origin"], rows)
     lines += ["", "## Origins", ""]
+    offsets = [(oid, o["offset"]) for oid, o in m["origins"].items() if o.get("offset")]
+    if offsets:
+        lines += [f"Placed at an offset from their header line ({len(offsets)}): "
+                  + ", ".join(f"`{oid}` {off:+d}" for oid, off in offsets) + ".", ""]
     rows = []
     for oid, o in m["origins"].items():
-        rows.append([f"`{oid}`", o["kind"], o.get("status", "applied"), o.get("why", "")])
-    lines += _table(["origin", "kind", "status", "why"], rows)
+        why = o.get("why", "")
+        if o.get("status") == "superseded":
+            why += f" Superseded by `{o.get('superseded_by', '?')}`: {o.get('superseded_why', '')}"
+        offset = f"{o['offset']:+d}" if o.get("offset") else ("0" if "offset" in o else "")
+        rows.append([f"`{oid}`", o["kind"], o.get("status", "applied"), offset, why])
+    lines += _table(["origin", "kind", "status", "offset", "why"], rows)
     lines += ["", f"## Upstream hunks of {p['upstream'][:9]} ({len(m['upstream_hunks'])})", "",
               ", ".join(f"{k}: {v}" for k, v in m["upstream_summary"].items()), ""]
     rows = [[f"`{u['id']}`", f"+{u['added']} -{u['removed']}", u["disposition"], f"`{u['by']}`", u.get("reason", "")]

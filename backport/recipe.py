@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import RecipeError
 
@@ -31,6 +31,26 @@ class Pins(_Strict):
     upstream: Sha
     upstream_ref: str = Field(description="human reference, e.g. NVIDIA/Megatron-LM#3282 (dev)")
     commits_between: int = Field(ge=0, description="expected len(base..upstream)")
+
+
+def _tree_path(value: str) -> str:
+    """A recipe path must stay inside the tree root: relative, no '..', no backslash."""
+    import posixpath
+
+    if (not value or value.startswith("/") or "\\" in value or "\0" in value
+            or any(part == ".." for part in value.split("/")) or posixpath.normpath(value) in (".", "")):
+        raise ValueError(f"path {value!r} leaves the tree root (absolute, '..', or empty); "
+                         "recipe paths are relative to the tree root, e.g. megatron/core/...")
+    return value
+
+
+TreePath = Annotated[str, AfterValidator(_tree_path)]
+
+
+def _template_name(value: str) -> str:
+    if not value or "/" in value or "\\" in value or value in (".", ".."):
+        raise ValueError(f"template {value!r} must be a file name inside backport/adaptations/")
+    return value
 
 
 class _Step(_Strict):
@@ -74,7 +94,7 @@ class UpstreamFile(_Step):
     """Take a whole file of the upstream commit, byte for byte."""
 
     kind: Literal["upstream_file"]
-    path: str
+    path: TreePath
     hunks: list[str] = Field(min_length=1)
 
 
@@ -90,7 +110,7 @@ class Transplant(_Step):
 
     kind: Literal["transplant"]
     commit: Sha
-    path: str
+    path: TreePath
     symbols: list[str] = Field(min_length=1)
     upstream_ref: str
 
@@ -99,8 +119,8 @@ class AddFile(_Step):
     """Add one of our own modules (``backport/adaptations/<template>``) to the tree."""
 
     kind: Literal["add_file"]
-    path: str
-    template: str
+    path: TreePath
+    template: Annotated[str, AfterValidator(_template_name)]
     adapts: list[str] = Field(default_factory=list)
 
 
@@ -108,7 +128,7 @@ class Transform(_Step):
     """Run a named transform of ours (``backport.transforms``) on one file."""
 
     kind: Literal["adaptation", "fix"]
-    path: str
+    path: TreePath
     transform: str
     adapts: list[str] = Field(default_factory=list)
 
@@ -123,6 +143,18 @@ class Exclusion(_Step):
     hunks: list[str] = Field(min_length=1)
 
 
+class Superseded(_Strict):
+    """A hunk of a carried patch that a recipe step makes unnecessary, with the reason.
+
+    The step's new code wins where it conflicts with the hunk; ``carry_survival`` skips the
+    hunk; the manifest records ``superseded`` with ``step`` and ``why``.
+    """
+
+    hunk: str = Field(pattern=r"^carry:.+#[0-9]+$", description="carried hunk id, carry:<path>#<n>")
+    step: str = Field(description="id of the recipe step that supersedes it")
+    why: str = Field(min_length=10)
+
+
 class Recipe(_Strict):
     """A whole recipe file."""
 
@@ -133,11 +165,23 @@ class Recipe(_Strict):
     excluded: list[Exclusion]
     forbidden_strings: list[str]
     import_check: list[str] = Field(description="modules the verify step imports")
+    superseded: list[Superseded] = Field(default_factory=list,
+                                         description="carried hunks a step makes unnecessary, with the reason")
 
     @field_validator("steps")
     @classmethod
     def _unique_step_ids(cls, steps):
         return _unique(steps, "step")
+
+    @model_validator(mode="after")
+    def _superseded_steps_exist(self):
+        ids = {s.id for s in self.steps}
+        for sup in self.superseded:
+            if sup.step not in ids:
+                raise ValueError(f"superseded {sup.hunk}: step {sup.step!r} is not a step of this recipe")
+        if len({s.hunk for s in self.superseded}) != len(self.superseded):
+            raise ValueError("a carried hunk is declared superseded twice")
+        return self
 
     @field_validator("excluded")
     @classmethod

@@ -5,7 +5,8 @@ Checks (each recorded in the manifest with a deterministic detail string):
 zero fuzz, no offsets, on the pristine assembled base), ``no_conflict_markers``,
 ``byte_compiles`` (every ``.py`` under ``megatron/`` of the patched tree),
 ``verbatim_files`` (files taken whole equal upstream bytes), ``forbidden_strings``,
-``imports`` (changed modules import with torch, triton 3.6 and FLA 0.4.2; capability probe).
+``imports`` (changed modules import with torch, triton 3.6 and FLA 0.4.2; capability probe),
+``carry_survival`` (every carried hunk's effect is still in the output, inside its symbol).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from unidiff import PatchSet
 
 from .errors import VerificationError
 from .recipe import UpstreamFile
+from .workspace import split_lines, symbol_spans
 
 CONFLICT = re.compile(r"^(<{7}|={7}|>{7})( |$)")
 
@@ -85,7 +87,8 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress) -> li
     apply_patch(run.base_tree, patch, dry_run=True)
     checks.append({"check": "applies", "ok": True, "detail": "GNU patch -p1 --fuzz=0: no fuzz, no offsets"})
 
-    added = [(pf.path, line.value) for pf in PatchSet(patch_text) for h in pf for line in h if line.is_added]
+    added = [(pf.path, line.value) for pf in PatchSet(split_lines(patch_text)) for h in pf for line in h
+             if line.is_added]
     bad = [p for p, v in added if CONFLICT.match(v)]
     if bad:
         _fail("no_conflict_markers", f"conflict markers in added lines of {sorted(set(bad))}")
@@ -113,7 +116,8 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress) -> li
         checks.append({"check": "verbatim_files", "ok": True, "detail": f"{len(verbatim)} file(s) byte-identical to upstream"})
 
         changed = sorted(f.path for f in run.ws.changed())
-        hits = [(p, s) for p in changed for s in recipe.forbidden_strings if s in (tree / p).read_text(encoding="utf-8")]
+        hits = [(p, s) for p in changed if (tree / p).is_file()
+                for s in recipe.forbidden_strings if s in (tree / p).read_text(encoding="utf-8")]
         hits += [(p, s) for p, v in added for s in recipe.forbidden_strings if s in v]
         if hits:
             _fail("forbidden_strings", "; ".join(f"{s!r} in {p}" for p, s in sorted(set(hits))),
@@ -137,4 +141,89 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress) -> li
                            "detail": f"{len(recipe.import_check)} modules imported; cp_context accepted; {versions}"})
         else:
             checks.append({"check": "imports", "ok": False, "detail": "skipped by --no-import-check"})
+    checks.append(carry_survival(run))
     return checks
+
+
+def _region(text: str, symbol) -> "list[str] | None":
+    """Lines (without line ends) of ``symbol`` in ``text``: the whole file for module level or
+    a non-Python file; None when the symbol is gone."""
+    lines = [ln.rstrip("\r\n") for ln in split_lines(text)]
+    if not symbol:
+        return lines
+    spans = symbol_spans(text)
+    if spans is None:
+        return lines
+    for first, last, name in spans:
+        if name == symbol:
+            return lines[first:last + 1]
+    return None
+
+
+def carry_survival(run) -> dict:
+    """Every carried hunk's effect is in the output: its added lines present and its removed
+    lines not brought back, inside the same enclosing class/function as in the carry
+    (hunks the recipe declares ``superseded`` are listed, not checked).
+
+    Counts per distinct non-blank line: an added line must occur in the symbol at least as
+    often as the hunk adds it; a removed line at most as often as right after the carry.
+
+    Raises:
+        VerificationError: naming the carried hunk, its symbol and the first line lost.
+    """
+    carry = getattr(run, "carry_model", None)
+    if carry is None:
+        return {"check": "carry_survival", "ok": True, "detail": "no carried patch"}
+    checked = superseded = 0
+    for cf in carry.files:
+        for path in (cf.old_path, cf.new_path):
+            if not path:
+                continue
+            gone = cf.kind == "delete" or (cf.kind == "rename" and path == cf.old_path)
+            state = run.ws.files.get(path)
+            exists = state is not None and state.exists
+            if gone and exists:
+                _fail("carry_survival", f"the carried patch removes {path} ({cf.kind}), but the output has it again",
+                      hint=_SURVIVAL_HINT)
+            if not gone and not exists:
+                _fail("carry_survival", f"the carried patch makes {path} ({cf.kind}), but the output lacks it",
+                      hint=_SURVIVAL_HINT)
+        if cf.kind == "delete":
+            checked += len(cf.hunks)
+            continue
+        final_text = run.ws.files[cf.path].text
+        carried_text = run.carried_text.get(cf.path) or ""
+        state = run.ws.files[cf.path]
+        if cf.new_mode and cf.old_mode and cf.new_mode != cf.old_mode and (state.mode or cf.new_mode) != cf.new_mode:
+            _fail("carry_survival", f"{cf.path}: carried mode {cf.new_mode} is not in the output", hint=_SURVIVAL_HINT)
+        for h in cf.hunks:
+            if run.origins.get(h.oid, {}).get("status") == "superseded":
+                superseded += 1
+                continue
+            where = f"carried hunk {h.n} of {h.path} ({h.oid}) in {h.symbol or 'module level'}"
+            final = _region(final_text, h.symbol)
+            if final is None:
+                _fail("carry_survival", f"{where}: {h.symbol} no longer exists in the output", hint=_SURVIVAL_HINT)
+            before = _region(carried_text, h.symbol) or []
+            for line in _distinct(h.added):
+                need = sum(1 for x in h.added if x.rstrip("\r\n") == line)
+                if final.count(line) < min(need, before.count(line)):
+                    _fail("carry_survival", f"{where}: added line {line.strip()!r} is missing from the output",
+                          hint=_SURVIVAL_HINT)
+            for line in _distinct(h.removed):
+                if final.count(line) > before.count(line):
+                    _fail("carry_survival", f"{where}: removed line {line.strip()!r} is back in the output",
+                          hint=_SURVIVAL_HINT)
+            checked += 1
+    detail = (f"{checked} carried hunk(s): added lines present, removed lines absent, in their symbols"
+              + (f"; {superseded} superseded by the recipe" if superseded else ""))
+    return {"check": "carry_survival", "ok": True, "detail": detail}
+
+
+def _distinct(lines: list) -> list:
+    return sorted({ln.rstrip("\r\n") for ln in lines if ln.strip()})
+
+
+_SURVIVAL_HINT = ("Nothing was written. A recipe step dropped a carried change: make the step keep it (a "
+                  "transform that rewrites a function merges carried edits), or declare the hunk superseded in "
+                  "the recipe with the reason.")

@@ -1,25 +1,190 @@
-"""Files being edited, with the origin of every line.
+"""Files being edited, with the origin of every line; hunk placement; tree-path safety.
 
 Each file keeps its lines and, per line, a tag: ``("base", i)`` for line ``i`` of the
 pristine base file, or the id of the origin (a recipe step or an upstream/carried hunk)
 that wrote it. Removing a base line records which origin removed it. The final diff's
 added and removed lines are attributed from these tags, so counts are computed.
 
-Hunks are applied with zero fuzz: context and removed lines must match exactly; an
-offset from the header's line number is allowed and recorded.
+Lines are split on ``\\n`` only and keep their ending, so CRLF files and a missing final
+newline round-trip byte for byte. Hunks are applied with zero fuzz: context and removed
+lines must match exactly, and only inside the same enclosing class/function as in the
+hunk's source (:func:`enclosing_symbol`); an offset from the header's line number is
+allowed and recorded. :func:`check_tree_path` keeps every path inside the tree root.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
+import posixpath
 from dataclasses import dataclass, field
-from typing import Optional
-
-from unidiff.patch import Hunk
+from pathlib import Path
+from typing import Optional, Sequence
 
 from .errors import ApplyError
 
 Tag = tuple  # ("base", index) or ("origin", origin_id)
+
+
+def split_lines(text: str) -> list[str]:
+    """Split on ``\\n`` only, keeping endings (``\\r\\n`` stays on its line; no final newline kept as is)."""
+    if not text:
+        return []
+    parts = text.split("\n")
+    lines = [p + "\n" for p in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+def check_tree_path(rel: str, root: Optional[Path], error=ApplyError, what: str = "path",
+                    hint: Optional[str] = None) -> str:
+    """Refuse ``rel`` unless it names a place inside the tree ``root``; return it normalised.
+
+    Refused: empty, absolute, ``..`` components, backslashes or NUL, and (when ``root`` is
+    given) any existing component that is a symlink resolving outside ``root``.
+
+    Raises:
+        ``error`` (ApplyError for a carry, RecipeError for the recipe), naming ``what`` and the path.
+    """
+    hint = hint or "Use a path relative to the tree root (e.g. megatron/core/...), without '..' or a leading '/'."
+    bad = None
+    if not rel or "\0" in rel or "\\" in rel:
+        bad = "it is empty or holds a NUL or backslash"
+    elif rel.startswith("/") or posixpath.isabs(rel):
+        bad = "it is absolute"
+    elif any(part == ".." for part in rel.split("/")):
+        bad = "it contains '..'"
+    elif posixpath.normpath(rel) in (".", ""):
+        bad = "it names the tree root itself"
+    if bad is None and root is not None:
+        root_real = root.resolve()
+        cur = root
+        for part in posixpath.normpath(rel).split("/"):
+            cur = cur / part
+            if cur.is_symlink():
+                target = cur.resolve()
+                if target != root_real and root_real not in target.parents:
+                    bad = f"{cur.relative_to(root)} is a symlink leading out of the tree (to {target})"
+                    break
+    if bad is not None:
+        raise error(f"{what} {rel!r} is refused: {bad}; nothing was read or written.", hint=hint)
+    return posixpath.normpath(rel)
+
+
+# --- enclosing symbols ---------------------------------------------------------------------------
+
+def symbol_spans(text: str) -> Optional[list[tuple[int, int, str]]]:
+    """``(first, last, qualname)`` 0-based inclusive line spans of every def/class, or None
+    when ``text`` is not valid Python (decorators belong to their def)."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    spans = []
+    seen: dict[str, int] = {}
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                seen[name] = seen.get(name, 0) + 1
+                if seen[name] > 1:  # a second definition of the same name is another symbol
+                    name = f"{name}[{seen[name]}]"
+                first = min([child.lineno] + [d.lineno for d in child.decorator_list]) - 1
+                spans.append((first, child.end_lineno - 1, name))
+                walk(child, name + ".")
+            else:
+                walk(child, prefix)
+
+    walk(tree, "")
+    return spans
+
+
+def enclosing_symbol(spans: Optional[list], line: int) -> Optional[str]:
+    """Innermost qualname whose span holds 0-based ``line``; ``""`` for module level; None if unknown."""
+    if spans is None:
+        return None
+    best = ""
+    width = None
+    for first, last, name in spans:
+        if first <= line <= last and (width is None or last - first < width):
+            best, width = name, last - first
+    return best
+
+
+def anchor_line(source: Sequence[str], changes: Sequence[tuple[int, str]], start: int) -> int:
+    """0-based line (in the file the hunk is applied to, hunk at ``start``) whose symbol
+    decides where the hunk belongs: its first removed line, else the context line just
+    before its first added line, else the first line after it."""
+    for idx, kind in changes:
+        if kind == "-":
+            return start + idx
+    for idx, kind in changes:
+        if kind == "+":
+            return start + idx - 1 if idx > 0 else start
+    return start
+
+
+@dataclass(frozen=True)
+class HunkLines:
+    """A hunk reduced to what placement needs.
+
+    Attributes:
+        source: context + removed lines (keepends, ``\\ No newline`` honoured).
+        target: context + added lines.
+        changes: ``(index into source, '-')`` per removed line and ``(index into source
+            where it is inserted, '+')`` per added line, in hunk order.
+        header_pos: 0-based line the header names.
+        section: text after the second ``@@`` of the header (git's function name), may be empty.
+        leading, trailing: context lines before the first / after the last change.
+    """
+
+    source: tuple
+    target: tuple
+    changes: tuple
+    header_pos: int
+    section: str = ""
+    leading: int = 0
+    trailing: int = 0
+
+
+def hunk_lines(hunk) -> HunkLines:
+    """:class:`HunkLines` of a unidiff hunk, honouring ``\\ No newline at end of file``."""
+    source, target, changes = [], [], []
+    kinds = []
+    for line in hunk:
+        if line.line_type == "\\":
+            # strips the newline of the line just before it, on the side(s) that line is on
+            prev = kinds[-1] if kinds else None
+            if prev in (" ", "-") and source:
+                source[-1] = _strip_newline(source[-1])
+            if prev in (" ", "+") and target:
+                target[-1] = _strip_newline(target[-1])
+            continue
+        kinds.append(line.line_type)
+        if line.is_context:
+            source.append(line.value)
+            target.append(line.value)
+        elif line.is_removed:
+            changes.append((len(source), "-"))
+            source.append(line.value)
+        elif line.is_added:
+            changes.append((len(source), "+"))
+            target.append(line.value)
+    first_change = next((i for i, k in enumerate(kinds) if k in "+-"), len(kinds))
+    last_change = max((i for i, k in enumerate(kinds) if k in "+-"), default=-1)
+    leading = sum(1 for k in kinds[:first_change] if k == " ")
+    trailing = sum(1 for k in kinds[last_change + 1:] if k == " ")
+    header_pos = max(hunk.source_start - 1, 0) if hunk.source_length else hunk.source_start
+    return HunkLines(tuple(source), tuple(target), tuple(changes), header_pos,
+                     (hunk.section_header or "").strip(), leading, trailing)
+
+
+def _strip_newline(line: str) -> str:
+    if line.endswith("\r\n"):
+        return line[:-2]
+    return line[:-1] if line.endswith("\n") else line
 
 
 @dataclass
@@ -32,7 +197,11 @@ class FileState:
         lines: current lines (keepends).
         tags: one tag per current line.
         removed_by: base line index -> origin id that removed it.
-        exists_in_base: False for files the recipe adds.
+        exists_in_base: False for files the recipe or carry adds.
+        exists: False once a carry deletes (or renames away) the file.
+        base_mode, mode: git file modes (``"100644"``/``"100755"``) when a carry set one,
+            else None (the output patch then carries no mode).
+        mode_origin: origin id of a mode change.
     """
 
     path: str
@@ -41,20 +210,30 @@ class FileState:
     tags: list[Tag]
     removed_by: dict[int, str] = field(default_factory=dict)
     exists_in_base: bool = True
+    exists: bool = True
+    base_mode: Optional[str] = None
+    mode: Optional[str] = None
+    mode_origin: Optional[str] = None
     last_offset: int = 0
     hunk_growth: int = 0
 
     @classmethod
     def from_base(cls, path: str, text: Optional[str]) -> "FileState":
         """State of ``path`` at the base; ``text`` None means the file is new."""
-        lines = (text or "").splitlines(keepends=True)
+        lines = split_lines(text or "")
         return cls(path, list(lines), list(lines), [("base", i) for i in range(len(lines))],
-                   exists_in_base=text is not None)
+                   exists_in_base=text is not None, exists=text is not None)
 
     @property
     def text(self) -> str:
         """Current content."""
         return "".join(self.lines)
+
+    @property
+    def changed(self) -> bool:
+        """True when content, existence or mode differ from the base."""
+        return (self.lines != self.base_lines or self.exists != self.exists_in_base
+                or (self.mode or self.base_mode) != self.base_mode)
 
     def _splice(self, start: int, stop: int, new_lines: list[str], origin: str) -> None:
         for tag in self.tags[start:stop]:
@@ -63,13 +242,25 @@ class FileState:
         self.lines[start:stop] = new_lines
         self.tags[start:stop] = [("origin", origin)] * len(new_lines)
 
+    def delete(self, origin: str) -> None:
+        """Remove the file (every base line recorded as removed by ``origin``)."""
+        self._splice(0, len(self.lines), [], origin)
+        self.exists = False
+
+    def create(self, lines: list[str], origin: str, tags: Optional[list] = None) -> None:
+        """Make the (absent) file exist with ``lines`` tagged ``origin`` (or ``tags``)."""
+        self.lines = list(lines)
+        self.tags = list(tags) if tags is not None else [("origin", origin)] * len(lines)
+        self.exists = True
+
     def replace_text(self, new_text: str, origin: str) -> bool:
         """Set the content to ``new_text``; changed lines are tagged ``origin``.
 
         Returns:
             True when the content changed.
         """
-        new_lines = new_text.splitlines(keepends=True)
+        new_lines = split_lines(new_text)
+        self.exists = True
         if new_lines == self.lines:
             return False
         matcher = difflib.SequenceMatcher(None, self.lines, new_lines, autojunk=False)
@@ -87,54 +278,98 @@ class FileState:
         self.lines, self.tags = lines, tags
         return True
 
-    def apply_hunk(self, hunk: Hunk, origin: str) -> int:
-        """Apply one unified-diff hunk with zero fuzz; return its line offset (0 = in place,
-        counted like GNU patch: against the header line plus the growth of earlier hunks).
+    def apply_hunk(self, hunk, origin: str, source_symbol: Optional[str] = None,
+                   source_text: Optional[str] = None) -> int:
+        """Apply one unified-diff hunk (unidiff ``Hunk`` or :class:`HunkLines`) with zero fuzz;
+        return its line offset (0 = in place, counted like GNU patch: against the header line
+        plus the growth of earlier hunks of this file).
 
-        Like GNU patch, the search starts where the previous hunk of this file landed
-        (its offset carried forward), and the exact match nearest to that guess wins.
+        Placement: the context and removed lines must match exactly, inside the same
+        enclosing class/function as in the hunk's source. ``source_symbol`` is that symbol
+        (``""`` module level; None: unknown, placement by nearest match as GNU patch does),
+        or ``"?"`` to compute it from ``source_text`` (the file the hunk was made against)
+        at the header position. Among matches in that symbol the one nearest the expected
+        line wins only when it is the only one; two in the symbol are refused.
 
         Raises:
-            ApplyError: the hunk's context/removed lines are not found exactly.
+            ApplyError: not found, found only in another symbol, found twice in the symbol,
+                or already applied (its result is already in the file).
         """
-        source = [_line_text(line) for line in hunk if line.is_context or line.is_removed]
-        target = [_line_text(line) for line in hunk if line.is_context or line.is_added]
-        header_pos = max(hunk.source_start - 1, 0) if hunk.source_length else hunk.source_start
-        expected = header_pos + self.last_offset
+        h = hunk if isinstance(hunk, HunkLines) else hunk_lines(hunk)
+        source, target = list(h.source), list(h.target)
+        expected = h.header_pos + self.last_offset
         if not source:
-            if self.lines:
-                raise ApplyError(f"{self.path}: hunk for origin {origin} creates a file that already exists.")
+            if self.lines and self.exists:
+                raise ApplyError(f"{self.path}: hunk of origin {origin} creates a file that already exists.")
             self._splice(0, 0, target, origin)
+            self.exists = True
             return 0
+        if source_symbol == "?":
+            source_symbol = enclosing_symbol(symbol_spans(source_text or ""),
+                                             anchor_line(source, h.changes, h.header_pos))
         n = len(source)
         matches = [i for i in range(len(self.lines) - n + 1) if self.lines[i:i + n] == source]
+        where = f"{self.path}: hunk {_header(h)} of origin {origin}"
         if not matches:
+            m = len(target)
+            if target != source and any(self.lines[i:i + m] == target for i in range(len(self.lines) - m + 1)):
+                raise ApplyError(f"{where} is already applied: its result is already in the file.",
+                                 hint=_ALREADY_HINT)
             raise ApplyError(
-                f"{self.path}: hunk {hunk.source_start},{hunk.source_length} of origin {origin} does "
-                "not apply with zero fuzz (its context or removed lines differ from the tree).",
+                f"{where} does not apply with zero fuzz (its context or removed lines differ from the tree)."
             )
-        start = min(matches, key=lambda i: (abs(i - expected), i))
-        self._apply_at(start, hunk, origin)
-        offset = start - (header_pos + self.hunk_growth)
+        chosen = matches
+        spans = symbol_spans(self.text) if source_symbol is not None else None
+        if spans is not None:
+            by_symbol = {i: enclosing_symbol(spans, anchor_line(source, h.changes, i)) for i in matches}
+            chosen = [i for i in matches if by_symbol[i] == source_symbol]
+            label = source_symbol or "module level"
+            if not chosen:
+                elsewhere = sorted({by_symbol[i] or "module level" for i in matches})
+                raise ApplyError(
+                    f"{where} belongs in {label}, but its context matches only in {', '.join(elsewhere)} "
+                    f"(line {matches[0] + 1}); it was not placed there.",
+                    hint="Regenerate the hunk against the pinned base so that it lands in the right symbol.")
+            if len(chosen) > 1:
+                raise ApplyError(
+                    f"{where}: its context matches {len(chosen)} times inside {label} (lines "
+                    f"{', '.join(str(i + 1) for i in chosen)}); the tool does not guess which.",
+                    hint="Give the hunk more context (git diff -U5) so that it matches once.")
+        start = min(chosen, key=lambda i: (abs(i - expected), i))
+        self._apply_at(start, h, origin)
+        offset = start - (h.header_pos + self.hunk_growth)
         self.hunk_growth += len(target) - len(source)
-        self.last_offset = start - header_pos + len(target) - len(source)
+        self.last_offset = start - h.header_pos + len(target) - len(source)
         return offset
 
-    def _apply_at(self, start: int, hunk: Hunk, origin: str) -> None:
+    def _apply_at(self, start: int, h: HunkLines, origin: str) -> None:
+        # walk source and target together: changes are (source index, kind) in hunk order
         pos = start
-        for line in hunk:
-            if line.is_context:
+        src_i = 0
+        tgt = list(h.target)
+        tgt_i = 0
+        for idx, kind in list(h.changes) + [(len(h.source), "end")]:
+            while src_i < idx:  # context
+                if self.lines[pos] != tgt[tgt_i]:  # a '\ No newline' on one side only
+                    self._splice(pos, pos + 1, [tgt[tgt_i]], origin)
                 pos += 1
-            elif line.is_removed:
+                src_i += 1
+                tgt_i += 1
+            if kind == "-":
                 self._splice(pos, pos + 1, [], origin)
-            elif line.is_added:
-                self._splice(pos, pos, [_line_text(line)], origin)
+                src_i += 1
+            elif kind == "+":
+                self._splice(pos, pos, [tgt[tgt_i]], origin)
                 pos += 1
+                tgt_i += 1
 
 
+_ALREADY_HINT = ("The base already contains this change (it may have landed upstream); drop the hunk "
+                 "from the carried patch.")
 
-def _line_text(line) -> str:
-    return line.value
+
+def _header(h: HunkLines) -> str:
+    return f"at line {h.header_pos + 1}" + (f" ({h.section})" if h.section else "")
 
 
 @dataclass
@@ -150,5 +385,5 @@ class Workspace:
         return self.files[path]
 
     def changed(self) -> list[FileState]:
-        """Files whose content differs from the base, sorted by path."""
-        return [f for _, f in sorted(self.files.items()) if f.lines != f.base_lines or not f.exists_in_base]
+        """Files whose content, existence or mode differ from the base, sorted by path."""
+        return [f for _, f in sorted(self.files.items()) if f.changed]

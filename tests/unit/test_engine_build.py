@@ -79,7 +79,7 @@ def test_manifest_records_pins_origins_and_dispositions(built, fake_repos):
 def test_verification_records(built):
     checks = {c["check"]: c for c in built[0].manifest["verification"]}
     assert list(checks) == ["deterministic", "applies", "no_conflict_markers", "byte_compiles", "verbatim_files",
-                            "forbidden_strings", "imports"]
+                            "forbidden_strings", "imports", "carry_survival"]
     assert all(c["ok"] for name, c in checks.items() if name != "imports")
     assert checks["imports"] == {"check": "imports", "ok": False, "detail": "skipped by --no-import-check"}
 

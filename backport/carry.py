@@ -1,0 +1,420 @@
+"""The carried downstream patch: its model, what is refused, and its application.
+
+Owns everything about ``--carry``: parsing with a real patch model (unidiff, which knows
+git's extended headers), refusing unsupported features by name before anything is read or
+written, keeping every path inside the tree, applying the patch to the
+:class:`~backport.workspace.Workspace` hunk by hunk (zero fuzz, inside the right symbol,
+per-line origins), and proving the result equals what ``git apply`` makes of the same patch
+on the same base files, byte for byte (git itself is the reference applier).
+
+Supported exactly as ``git apply`` does: modified, new and deleted files; renames and
+copies, with and without edits; mode changes (also mode-only, ``100644``/``100755``);
+``\\ No newline at end of file`` on either side; CRLF lines. Refused, naming feature and
+file (:data:`REFUSALS`, also in ``docs/carry.md``): see :func:`load_carry`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from unidiff import PatchSet
+
+from .errors import ApplyError
+from .workspace import (FileState, HunkLines, Workspace, anchor_line, check_tree_path, enclosing_symbol,
+                        hunk_lines, split_lines, symbol_spans)
+
+GIT_ENV = {
+    "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "HOME": "/nonexistent", "TZ": "UTC",
+    "LC_ALL": "C",
+}
+MODES = {"100644", "100755"}
+
+#: Refusal reasons by name (the message starts with ``carried patch <file>: <reason>``).
+REFUSALS = {
+    "not-a-patch": "the file is empty or holds no unified diff",
+    "binary": "binary diff",
+    "symlink": "symlink (mode 120000)",
+    "submodule": "submodule / gitlink (mode 160000)",
+    "unknown-mode": "file mode other than 100644/100755",
+    "zero-context": "zero-context (-U0) hunk",
+    "no-prefix": "paths without the a/ and b/ prefixes (-p1)",
+    "quoted-path": "quoted path (special characters in the file name)",
+    "non-utf8": "content that is not UTF-8",
+    "twice": "the same file changed twice in one patch",
+    "empty-file": "creating or deleting an empty file (no hunk GNU patch could reproduce)",
+    "git-apply-differs": "git apply places or refuses a hunk differently",
+}
+_PATH_HINT = ("Make the carried patch with `git diff` inside the tree root (paths a/megatron/...); no '..', "
+              "absolute paths or symlinks leading out.")
+HINT = "Regenerate the carried patch with `git diff` (text, -U3) against the pinned base, or drop that file from it."
+
+
+class CarryRefused(ApplyError):
+    """The carried patch uses a feature the tool refuses (exit 6); ``reason`` is a key of REFUSALS."""
+
+    def __init__(self, carry: Path, file: str, reason: str, detail: str = "", hint: Optional[str] = None):
+        self.reason = reason
+        what = REFUSALS[reason] + (f": {detail}" if detail else "")
+        super().__init__(f"carried patch {carry.name}: {file}: {what}; refused before anything was written.",
+                         hint=hint or HINT)
+
+
+@dataclass
+class CarryHunk:
+    """One hunk of the carried patch.
+
+    Attributes:
+        oid: origin id ``carry:<path>#<n>`` (path after the patch; the old path for a deletion).
+        path: file the hunk applies to (after rename/copy).
+        n: 1-based hunk number within its file.
+        header: the ``@@ ... @@`` line.
+        lines: placement data (source/target lines).
+        added, removed: the hunk's added and removed lines (keepends).
+        symbol: enclosing class/function qualname in the base (``""`` module level; None unknown).
+        offset: lines from the expected position (GNU patch counting); set when applied.
+    """
+
+    oid: str
+    path: str
+    n: int
+    header: str
+    lines: HunkLines
+    added: list
+    removed: list
+    symbol: Optional[str] = None
+    offset: int = 0
+
+
+@dataclass
+class CarryFile:
+    """One file of the carried patch.
+
+    Attributes:
+        kind: ``modify``, ``add``, ``delete``, ``rename``, ``copy``.
+        old_path, new_path: tree-relative paths (None for the absent side).
+        old_mode, new_mode: git modes from the extended headers (None when not given).
+        hunks: its hunks.
+    """
+
+    kind: str
+    old_path: Optional[str]
+    new_path: Optional[str]
+    old_mode: Optional[str] = None
+    new_mode: Optional[str] = None
+    hunks: list = field(default_factory=list)
+
+    @property
+    def path(self) -> str:
+        """The path the file has after the patch (the old one for a deletion)."""
+        return self.new_path or self.old_path
+
+
+@dataclass
+class Carry:
+    """A parsed carried patch: its bytes and files, in patch order."""
+
+    source: Path
+    raw: bytes
+    files: list
+
+    @property
+    def hunks(self) -> list:
+        """Every hunk, in patch order."""
+        return [h for f in self.files for h in f.hunks]
+
+
+def _strip(name: str, prefix: str, carry: Path) -> Optional[str]:
+    if name == "/dev/null":
+        return None
+    if name.startswith('"'):
+        raise CarryRefused(carry, name, "quoted-path")
+    if name.startswith("/"):
+        check_tree_path(name, None, ApplyError, what=f"carried patch {carry.name}: path", hint=_PATH_HINT)
+    if not name.startswith(prefix):
+        raise CarryRefused(carry, name, "no-prefix", f"expected {prefix}...")
+    return name[len(prefix):]
+
+
+def load_carry(path: Path) -> Carry:
+    """Parse ``path`` and refuse what the tool does not apply exactly as ``git apply``.
+
+    Refused (:class:`CarryRefused`, exit 6, reason named): an empty or non-diff file; binary
+    diffs; symlinks and submodules; modes other than 100644/100755; zero-context (``-U0``)
+    hunks (a hunk without context is accepted only when it replaces lines from the file start); paths without ``a/``/``b/`` prefixes or quoted; non-UTF-8
+    text; one file changed twice; creating or deleting an empty file.
+
+    Raises:
+        ApplyError: unreadable or unparsable; CarryRefused as above.
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ApplyError(f"cannot read carried patch {path}: {exc.strerror}", hint="Pass --carry an existing file.") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CarryRefused(path, path.name, "non-utf8", f"byte {exc.start}") from exc
+    if not raw.strip():
+        raise CarryRefused(path, path.name, "not-a-patch", "it is empty",
+                           hint="Pass a patch made with `git diff` against the pinned base, or drop --carry.")
+    try:
+        patch = PatchSet(split_lines(text))
+    except Exception as exc:  # unidiff raises its own parse errors
+        raise ApplyError(f"carried patch {path.name} cannot be parsed: {exc}",
+                         hint="Pass a unified diff made with `git diff` against the pinned base.") from exc
+    if len(patch) == 0:
+        raise CarryRefused(path, path.name, "not-a-patch", "no 'diff --git' or '---'/'+++' file header found",
+                           hint="Pass a patch made with `git diff` against the pinned base, or drop --carry.")
+    files = []
+    for pfile in patch:
+        info = {}
+        for line in pfile.patch_info:
+            line = line.rstrip("\r\n")
+            for key in ("old mode ", "new mode ", "new file mode ", "deleted file mode ", "rename from ",
+                        "rename to ", "copy from ", "copy to "):
+                if line.startswith(key):
+                    info[key.strip()] = line[len(key):]
+            if line.startswith("index ") and " " in line[6:]:
+                info["index mode"] = line.rsplit(" ", 1)[1]
+            if line.startswith("GIT binary patch") or (line.startswith("Binary files ") and line.endswith(" differ")):
+                info["binary"] = line
+        label = pfile.target_file if pfile.target_file != "/dev/null" else pfile.source_file
+        if getattr(pfile, "is_binary_file", False) or "binary" in info:
+            raise CarryRefused(path, label, "binary", hint="Carry binary files outside the patch, or drop them from it.")
+        for key in ("old mode", "new mode", "new file mode", "deleted file mode", "index mode"):
+            mode = info.get(key)
+            if mode is None:
+                continue
+            if mode == "120000":
+                raise CarryRefused(path, label, "symlink")
+            if mode == "160000":
+                raise CarryRefused(path, label, "submodule")
+            if mode not in MODES:
+                raise CarryRefused(path, label, "unknown-mode", mode)
+        old = _strip(pfile.source_file, "a/", path)
+        new = _strip(pfile.target_file, "b/", path)
+        if "rename from" in info or "copy from" in info:
+            kind = "rename" if "rename from" in info else "copy"
+            old, new = info[f"{kind} from"], info[f"{kind} to"]
+        elif "new file mode" in info or (old is None and new is not None):
+            kind, old = "add", None
+        elif "deleted file mode" in info or (new is None and old is not None):
+            kind, new = "delete", None
+        else:
+            kind = "modify"
+        cf = CarryFile(kind, old, new, old_mode=info.get("old mode") or info.get("deleted file mode"),
+                       new_mode=info.get("new mode") or info.get("new file mode"))
+        if kind in ("add", "delete") and len(pfile) == 0:
+            raise CarryRefused(path, cf.path, "empty-file")
+        for n, hunk in enumerate(pfile, start=1):
+            h = hunk_lines(hunk)
+            has_context = len(h.source) > len([c for c in h.changes if c[1] == "-"])
+            if not has_context and kind not in ("add", "delete") and (hunk.source_start > 1 or not h.source):
+                raise CarryRefused(path, f"{cf.path} hunk {n}", "zero-context",
+                                   hint="Regenerate the carried patch with context (plain `git diff`, -U3).")
+            cf.hunks.append(CarryHunk(
+                oid=f"carry:{cf.path}#{n}", path=cf.path, n=n, header=str(hunk).splitlines()[0], lines=h,
+                added=[ln.value for ln in hunk if ln.is_added], removed=[ln.value for ln in hunk if ln.is_removed]))
+        files.append(cf)
+    written = set()  # a copy's source is only read (from the preimage), every other path is written
+    for cf in files:
+        for p in {cf.new_path} | ({cf.old_path} if cf.kind in ("modify", "delete", "rename") else set()):
+            if p is None:
+                continue
+            if p in written:
+                raise CarryRefused(path, p, "twice")
+            written.add(p)
+    return Carry(path, raw, files)
+
+
+def check_paths(carry: Carry, root: Path) -> None:
+    """Every path of the carry (``---``/``+++``, rename/copy headers) must stay inside ``root``.
+
+    Raises:
+        ApplyError (exit 6) naming the path; nothing has been read or written yet.
+    """
+    for cf in carry.files:
+        for p in (cf.old_path, cf.new_path):
+            if p is not None:
+                check_tree_path(p, root, ApplyError, what=f"carried patch {carry.source.name}: path", hint=_PATH_HINT)
+                if (root / p).is_symlink():
+                    raise CarryRefused(carry.source, p, "symlink", "the base tree has a symlink there")
+
+
+def git_apply_tree(carry: Carry, base_tree: Path) -> tuple[Optional[dict], str]:
+    """What ``git apply`` (no fuzz, no whitespace fixing) makes of the carry on the base files.
+
+    Returns:
+        ({path: (bytes, mode) or None when absent}, "") for every path the carry names, or
+        (None, git's message) when git refuses.
+    """
+    with tempfile.TemporaryDirectory(prefix="gdn-carry-") as tmp:
+        root = Path(tmp) / "tree"
+        root.mkdir()
+        env = {**os.environ, **GIT_ENV}
+        subprocess.run(["git", "init", "-q"], cwd=root, env=env, check=True, capture_output=True)
+        paths = sorted({p for cf in carry.files for p in (cf.old_path, cf.new_path) if p})
+        for p in paths:
+            src = base_tree / p
+            if src.is_file() and not src.is_symlink():
+                (root / p).parent.mkdir(parents=True, exist_ok=True)
+                (root / p).write_bytes(src.read_bytes())
+                (root / p).chmod(0o755 if os.stat(src).st_mode & 0o111 else 0o644)
+        proc = subprocess.run(["git", "-c", "core.autocrlf=false", "-c", "core.filemode=true", "apply",
+                               "--whitespace=nowarn", "-"], cwd=root, env=env, input=carry.raw, capture_output=True)
+        if proc.returncode != 0:
+            return None, proc.stderr.decode(errors="replace").strip()
+        out = {}
+        for p in paths:
+            f = root / p
+            out[p] = (f.read_bytes(), "100755" if os.stat(f).st_mode & 0o111 else "100644") if f.is_file() else None
+        return out, ""
+
+
+def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Optional[str]], base_tree: Path,
+                origins: dict, warn: Callable[[str], None] = lambda _m: None) -> None:
+    """Apply ``carry`` to ``ws`` (paths already checked), record origins, prove it equals git apply.
+
+    Every hunk is placed with zero fuzz inside the class/function it sits in at the base
+    (``FileState.apply_hunk``); an offset is a warning through ``warn``. Renames and copies
+    tag the moved lines with ``carry:<new>#rename``/``#copy``; a mode change with
+    ``carry:<path>#mode``.
+
+    Raises:
+        ApplyError: a hunk does not apply, is already applied, lands in another symbol or
+            twice in its symbol; CarryRefused('git-apply-differs') when git apply refuses the
+            patch or makes other bytes.
+    """
+    name = carry.source.name
+
+    def get(path: str) -> FileState:
+        return ws.get(path, base_reader)
+
+    for cf in carry.files:
+        base_text = base_reader(cf.old_path) if cf.old_path else None
+        if cf.kind in ("modify", "delete", "rename", "copy") and (base_text is None or not get(cf.old_path).exists):
+            raise ApplyError(f"carried patch {name}: {cf.old_path} does not exist in the base tree ({cf.kind}).",
+                             hint="Make the carried patch against the pinned base tree.")
+        if cf.kind in ("add", "rename", "copy") and get(cf.new_path).exists:
+            raise ApplyError(f"carried patch {name}: {cf.new_path} already exists in the base tree ({cf.kind}).",
+                             hint="Make the carried patch against the pinned base tree.")
+        if cf.kind in ("rename", "copy"):
+            moved = f"carry:{cf.new_path}#{cf.kind}"
+            src, dst = get(cf.old_path), get(cf.new_path)
+            dst.create(split_lines(base_text), moved)  # every diff of a patch is against the same preimage
+            if cf.kind == "rename":
+                src.delete(moved)
+            origins[moved] = {"kind": "carried", "status": "applied", "why": f"{cf.kind} from {cf.old_path} in the carried patch"}
+        state = get(cf.path)
+        for h in cf.hunks:
+            h.symbol = enclosing_symbol(symbol_spans(base_text), anchor_line(h.lines.source, h.lines.changes,
+                                                                             h.lines.header_pos)) \
+                if base_text is not None else ""
+            try:
+                h.offset = state.apply_hunk(h.lines, h.oid, source_symbol=h.symbol)
+            except ApplyError as exc:
+                raise ApplyError(f"carried patch {name}: {exc.message}",
+                                 hint=exc.hint if exc.hint != ApplyError.default_hint else
+                                 "Regenerate the carried patch against the pinned base tree (zero fuzz).") from exc
+            origins[h.oid] = {"kind": "carried", "header": h.header, "offset": h.offset, "symbol": h.symbol,
+                              "status": "applied", "why": f"hunk {h.n} of {cf.path} in the carried patch"}
+            if h.offset:
+                warn(f"warning: carried hunk {h.oid} placed at offset {h.offset:+d} lines")
+        if cf.kind == "delete":
+            if state.lines:
+                raise ApplyError(f"carried patch {name}: deleting {cf.old_path} leaves {len(state.lines)} lines.",
+                                 hint="Make the carried patch against the pinned base tree.")
+            state.delete(cf.hunks[-1].oid if cf.hunks else f"carry:{cf.path}#delete")
+        if cf.new_mode and cf.kind != "delete":
+            if cf.kind == "add":
+                state.mode = cf.new_mode
+            elif cf.old_mode and cf.new_mode != cf.old_mode:
+                state.base_mode = cf.old_mode if cf.kind == "modify" else state.base_mode
+                state.mode = cf.new_mode
+                state.mode_origin = f"carry:{cf.path}#mode"
+                origins[state.mode_origin] = {"kind": "carried", "status": "applied",
+                                              "why": f"mode {cf.old_mode} -> {cf.new_mode} of {cf.path} in the carried patch"}
+        elif cf.kind in ("rename", "copy"):
+            src = base_tree / cf.old_path
+            state.mode = cf.old_mode or ("100755" if src.is_file() and os.stat(src).st_mode & 0o111 else "100644")
+    _compare_with_git(carry, ws, base_tree)
+
+
+def _compare_with_git(carry: Carry, ws: Workspace, base_tree: Path) -> None:
+    ref, message = git_apply_tree(carry, base_tree)
+    if ref is None:
+        raise CarryRefused(carry.source, carry.files[0].path if len(carry.files) == 1 else "(patch)",
+                           "git-apply-differs", f"git apply refuses it: {message[-400:]}")
+    for path, want in sorted(ref.items()):
+        state = ws.files.get(path)
+        have = None if state is None or not state.exists else state.text.encode("utf-8")
+        if (want is None) != (have is None) or (want is not None and want[0] != have):
+            detail = "file absent in one of them" if (want is None) != (have is None) else _first_difference(want[0], have)
+            raise CarryRefused(carry.source, path, "git-apply-differs",
+                               f"the tool's result differs from git apply's ({detail})",
+                               hint="Give the hunks of this file more context (git diff -U5) so that they can be "
+                                    "placed only one way, or drop the file from the carried patch.")
+        if want is not None and state.mode and state.mode != want[1]:
+            raise CarryRefused(carry.source, path, "git-apply-differs", f"mode {state.mode} vs git's {want[1]}")
+
+
+def _first_difference(a: bytes, b: bytes) -> str:
+    la, lb = split_lines(a.decode("utf-8", "replace")), split_lines(b.decode("utf-8", "replace"))
+    for i, (x, y) in enumerate(zip(la, lb)):
+        if x != y:
+            return f"first at line {i + 1}"
+    return f"{len(la)} vs {len(lb)} lines"
+
+
+def carry_workspace(carry_path: Path, base_tree: Path) -> tuple[Carry, Workspace]:
+    """Parse, check and apply ``carry_path`` on ``base_tree`` alone (no recipe).
+
+    Raises:
+        ApplyError / CarryRefused as :func:`load_carry`, :func:`check_paths`, :func:`apply_carry`.
+    """
+    carry = load_carry(carry_path)
+    check_paths(carry, base_tree)
+    ws = Workspace()
+    apply_carry(carry, ws, lambda path: read_base(base_tree, path), base_tree, {})
+    return carry, ws
+
+
+def carried_tree(carry_path: Path, base_tree: Path) -> dict:
+    """The tool's carried tree for ``carry_path`` on ``base_tree``: ``{path: (bytes, mode) or None}``
+    for every path the carry names (the differential test compares it with git apply's).
+
+    Raises:
+        ApplyError / CarryRefused as :func:`carry_workspace`.
+    """
+    carry, ws = carry_workspace(carry_path, base_tree)
+    out = {}
+    for cf in carry.files:
+        for p in (cf.old_path, cf.new_path):
+            if p:
+                st = ws.files[p]
+                base_exec = (base_tree / p).is_file() and os.stat(base_tree / p).st_mode & 0o111
+                mode = st.mode or ("100755" if base_exec else "100644")
+                out[p] = (st.text.encode("utf-8"), mode) if st.exists else None
+    return out
+
+
+def read_base(base_tree: Path, path: str) -> Optional[str]:
+    """Text of ``path`` in the base tree (None when absent); bytes decoded as UTF-8, line ends kept.
+
+    Raises:
+        ApplyError: the file is not UTF-8 (the tool would not reproduce its bytes).
+    """
+    p = base_tree / path
+    if not p.is_file():
+        return None
+    data = p.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApplyError(f"{path} in the base tree is not UTF-8 (byte {exc.start}); the tool cannot edit it.",
+                         hint="Leave this file out of the carried patch and the recipe.") from exc

@@ -1,0 +1,159 @@
+"""Three-way merge of carried changes into functions that a recipe step rewrote.
+
+A transform such as ``gdn_linear_cp_forward`` replaces a whole function body; a carried
+downstream edit inside that function would vanish. For every function (or class) a carried
+hunk touched, :func:`merge_carried_functions` merges base body -> carried body into the new
+body with ``git merge-file`` (ancestor: the function at the pristine base; ours: the body
+after the step; theirs: the body before the step, carry included). Identical changes on
+both sides merge cleanly, so steps that edit in place are unaffected. A real conflict fails
+(exit 6) naming the carried hunk (file, hunk number, first conflicting line) and the step,
+unless every conflicting hunk is declared ``superseded`` in the recipe: then the new body
+wins there.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ApplyError
+from ..workspace import split_lines, symbol_spans
+
+CONFLICT_HINT = (
+    "The carried patch and the recipe step change the same lines of this function. Rebase the carried hunk "
+    "onto the backported code (edit the carried patch so that its change fits the new body), or, if the "
+    "backport makes it unnecessary, declare it in the recipe: `superseded: [{{hunk: {oid}, step: {step}, "
+    "why: ...}}]`."
+)
+
+
+def _span(text: str, qualname: str) -> Optional[tuple[int, int]]:
+    spans = symbol_spans(text)
+    if spans is None:
+        return None
+    for first, last, name in spans:
+        if name == qualname:
+            return first, last + 1
+    return None
+
+
+def merge3(ours: str, base: str, theirs: str, favour_ours: bool = False) -> tuple[str, int]:
+    """``git merge-file -p --diff3`` of three texts: (merged text, number of conflicts)."""
+    with tempfile.TemporaryDirectory(prefix="gdn-merge-") as tmp:
+        paths = []
+        for name, text in (("new", ours), ("base", base), ("carried", theirs)):
+            p = Path(tmp) / name
+            p.write_bytes(text.encode("utf-8"))
+            paths.append(str(p))
+        env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "HOME": "/nonexistent"}
+        args = ["git", "merge-file", "-p", "--diff3", "-L", "new", "-L", "base", "-L", "carried"]
+        if favour_ours:
+            args.append("--ours")
+        proc = subprocess.run(args + paths, capture_output=True, env=env)
+        if proc.returncode < 0 or proc.returncode > 127:
+            raise ApplyError(f"git merge-file failed: {proc.stderr.decode(errors='replace').strip()}",
+                             hint="Check that git is installed and works.")
+        return proc.stdout.decode("utf-8"), proc.returncode
+
+
+def _conflicts(merged: str) -> list[dict]:
+    """Conflict regions of a --diff3 merge: their new/base/carried lines."""
+    out, cur, part = [], None, None
+    for line in split_lines(merged):
+        if line.startswith("<<<<<<< "):
+            cur, part = {"new": [], "base": [], "carried": []}, "new"
+        elif cur is not None and line.startswith("||||||| "):
+            part = "base"
+        elif cur is not None and line.rstrip("\r\n") == "=======":
+            part = "carried"
+        elif cur is not None and line.startswith(">>>>>>> "):
+            out.append(cur)
+            cur = None
+        elif cur is not None:
+            cur[part].append(line)
+    return out
+
+
+def _culprits(conflict: dict, hunks: list) -> list:
+    """Carried hunks whose added or removed lines lie in the conflict (else all of them)."""
+    lines = set(conflict["carried"]) | set(conflict["base"])
+    found = [h for h in hunks if (set(h.added) | set(h.removed)) & lines]
+    return found or list(hunks)
+
+
+def _first_conflicting_line(conflict: dict) -> str:
+    base = set(conflict["base"])
+    for line in conflict["carried"]:
+        if line not in base and line.strip():
+            return line.rstrip("\r\n")
+    for line in conflict["base"]:
+        if line.strip():
+            return line.rstrip("\r\n")
+    return (conflict["carried"] or conflict["base"] or [""])[0].rstrip("\r\n")
+
+
+def merge_carried_functions(base: str, before: str, after: str, hunks: list, step, path: str,
+                            superseded: set) -> str:
+    """Merge the carried delta of every function/class the carry touched into ``after``.
+
+    Args:
+        base: the file at the pristine base.
+        before: the file before the step (carry and earlier steps applied).
+        after: the file the step produced.
+        hunks: carried hunks of this file (:class:`~backport.carry.CarryHunk`, with ``symbol``).
+        step: the recipe step (``id``, and ``transform`` when it has one).
+        superseded: ids of carried hunks the recipe declares superseded.
+
+    Returns:
+        ``after`` with the carried changes merged back (unchanged when nothing was lost).
+
+    Raises:
+        ApplyError (exit 6): a real conflict with a carried hunk that is not superseded,
+            naming file, hunk number, first conflicting line and the step.
+    """
+    symbols = sorted({h.symbol for h in hunks if h.symbol})
+    # innermost first would merge twice; keep only outermost touched symbols that are functions
+    # or classes present in all three versions
+    for qual in symbols:
+        if any(qual.startswith(other + ".") for other in symbols if other != qual):
+            continue
+        spans = [_span(t, qual) for t in (base, before, after)]
+        if None in spans:
+            continue
+        b_lines, c_lines, a_lines = (split_lines(t)[s:e] for t, (s, e) in zip((base, before, after), spans))
+        if c_lines == b_lines or a_lines == c_lines:
+            continue
+        own = [h for h in hunks if h.symbol == qual or (h.symbol or "").startswith(qual + ".")]
+        merged, n = merge3("".join(a_lines), "".join(b_lines), "".join(c_lines))
+        if n:
+            blocking = []
+            for c in _conflicts(merged):
+                live = [h for h in _culprits(c, own) if h.oid not in superseded]
+                if live:
+                    blocking.append((live[0], c))
+                    break
+            if blocking:
+                h, c = blocking[0]
+                what = f"transform {step.transform}" if getattr(step, "transform", None) else step.kind
+                raise ApplyError(
+                    f"carried hunk {h.n} of {h.path} ({h.oid}, in {qual}) conflicts with recipe step {step.id} "
+                    f"({what}), which rewrites {qual}: first conflicting line {_first_conflicting_line(c)!r}.",
+                    hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
+            merged, _ = merge3("".join(a_lines), "".join(b_lines), "".join(c_lines), favour_ours=True)
+        lines = split_lines(after)
+        s, e = spans[2]
+        candidate = "".join(lines[:s] + split_lines(merged) + lines[e:])
+        try:
+            ast.parse(candidate)
+        except SyntaxError as exc:
+            h = own[0]
+            raise ApplyError(
+                f"carried hunk {h.n} of {h.path} ({h.oid}, in {qual}) merged into recipe step {step.id}'s new "
+                f"{qual} gives invalid Python (line {exc.lineno}: {exc.msg}).",
+                hint=CONFLICT_HINT.format(oid=h.oid, step=step.id)) from exc
+        after = candidate
+    return after

@@ -1,0 +1,127 @@
+"""Carried downstream patches on the real pinned tree (issue 10; skips, saying why, without mirrors).
+
+The carries are made at run time from the base's own ``gated_delta_net.py`` (read from the
+mirror, never committed): a comment line inside ``GatedDeltaNet.forward`` just before the
+input projection, a one-line rename of the projection attribute call, the tuple-index fix
+already present in an equivalent form, and Dynamo disabled by a context manager at the
+call site (which the new forward's call site conflicts with).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from backport import engine
+from backport.errors import ApplyError
+
+from test_real_mirrors import BRIDGE, MLM, RECIPE  # noqa: F401  (same mirror discovery and skip)
+
+BASE_SHA = "85bced0ae6ab46f61a0fd774074a3273daf6ae02"
+GDN = "megatron/core/ssm/gated_delta_net.py"
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(MLM is None or BRIDGE is None,
+                       reason="no Megatron-LM/Megatron-Bridge mirror: set MEGATRON_LM_REPO and MEGATRON_BRIDGE_REPO "
+                              "(or run tools/backport once to fill the cache)"),
+]
+ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "HOME": "/nonexistent", "TZ": "UTC"}
+
+
+def _base_gdn() -> str:
+    return subprocess.run(["git", "--git-dir", MLM if MLM.endswith(".git") or Path(MLM, "HEAD").exists()
+                           else str(Path(MLM) / ".git"), "show", f"{BASE_SHA}:{GDN}"],
+                          check=True, capture_output=True, env={**os.environ, **ENV}).stdout.decode()
+
+
+def _carry(tmp: Path, edit) -> Path:
+    base = _base_gdn()
+    new = edit(base)
+    assert new != base, "the edit did not apply to the base file; the base changed"
+    repo = tmp / "src"
+    (repo / Path(GDN).parent).mkdir(parents=True)
+    env = {**os.environ, **ENV}
+    run = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True, env=env).stdout  # noqa: E731
+    run("init", "-q")
+    (repo / GDN).write_text(base)
+    run("add", "-A")
+    run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "base")
+    (repo / GDN).write_text(new)
+    path = tmp / "downstream.patch"
+    path.write_bytes(run("diff", "--full-index"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("carry-cache")
+
+
+def _build(cache: Path, carry: Path):
+    return engine.build(engine.Options(recipe=RECIPE, megatron_lm=MLM, megatron_bridge=BRIDGE, cache_dir=cache,
+                                       date="20261130", carry=carry, import_check=False))
+
+
+def _forward_of(b, tmp: Path) -> str:
+    """Source of GatedDeltaNet.forward in the patched file (the output patch applied with GNU patch)."""
+    import ast
+
+    section = "diff --git" + b.patch.decode().split(f"diff --git a/{GDN} ")[1].split("diff --git")[0]
+    section = f"diff --git a/{GDN} " + section[len("diff --git"):]
+    tree = tmp / "patched"
+    (tree / Path(GDN).parent).mkdir(parents=True)
+    (tree / GDN).write_bytes((b.base_tree / GDN).read_bytes())
+    subprocess.run(["patch", "-p1", "--fuzz=0", "--batch"], cwd=tree, input=section.encode(), check=True,
+                   capture_output=True)
+    text = (tree / GDN).read_text()
+    cls = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "GatedDeltaNet")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    return "".join(text.splitlines(keepends=True)[fn.lineno - 1:fn.end_lineno])
+
+
+COMMENT = "        # downstream: the projection stays in the autocast dtype\n"
+
+
+def test_comment_before_input_projection_survives_the_forward_rewrite(tmp_path, cache):
+    carry = _carry(tmp_path, lambda t: t.replace("        # Input projection\n", COMMENT + "        # Input projection\n", 1)
+                   .replace("    param = param[slices]\n", "    param = param[(*slices,)]\n", 1))
+    b = _build(cache, carry)
+    forward = _forward_of(b, tmp_path)
+    assert COMMENT + "        # Input projection\n" in forward
+    m = b.manifest
+    assert m["origins"]["fix-local-cp-tuple-index"]["status"] == "already-present"
+    assert "param[(*slices,)]" in b.patch.decode() and "param[tuple(slices)]" not in b.patch.decode()
+    checks = {c["check"]: c for c in m["verification"]}
+    assert checks["carry_survival"]["ok"] and checks["carry_survival"]["detail"].startswith("2 carried hunk(s)")
+    carried = [o for f in m["files"] for h in f["hunks"] for o in h["origins"] if o["kind"] == "carried"]
+    assert sum(o["added"] for o in carried) == 2
+
+
+def test_renamed_projection_call_survives_the_forward_rewrite(tmp_path, cache):
+    carry = _carry(tmp_path, lambda t: t.replace("qkvzba, _ = self.in_proj(hidden_states)",
+                                                 "qkvzba, _ = self.in_proj_downstream(hidden_states)", 1))
+    b = _build(cache, carry)
+    forward = _forward_of(b, tmp_path)
+    assert "qkvzba, _ = self.in_proj_downstream(hidden_states)" in forward
+    assert "self.in_proj(hidden_states)" not in forward
+    assert {c["check"]: c["ok"] for c in b.manifest["verification"]}["carry_survival"]
+
+
+def test_call_site_context_manager_conflicting_with_the_new_forward_is_exit_6(tmp_path, cache):
+    def wrap(t: str) -> str:
+        old = ("        query, key, value, gate, beta, alpha = self._prepare_qkv_for_gated_delta_rule(\n"
+               "            qkv, gate, beta, alpha, batch, seq_len\n        )\n")
+        new = ('        with torch.compiler.set_stance("force_eager"):\n'
+               "            query, key, value, gate, beta, alpha = self._prepare_qkv_for_gated_delta_rule(\n"
+               "                qkv, gate, beta, alpha, batch, seq_len\n            )\n")
+        return t.replace(old, new, 1)
+
+    with pytest.raises(ApplyError) as exc:
+        _build(cache, _carry(tmp_path, wrap))
+    msg = exc.value.message
+    assert exc.value.exit_code == 6
+    assert f"carried hunk 1 of {GDN}" in msg and "recipe step adapt-gdn-forward" in msg
+    assert "first conflicting line" in msg and "superseded" in exc.value.hint

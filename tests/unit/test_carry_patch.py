@@ -1,0 +1,325 @@
+"""Carried patches: named refusals, git-apply fidelity per feature, placement, paths (issue 10).
+
+Small base trees of our own in tmp dirs; patches made with git itself (fixed identity, UTC).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from backport.carry import CarryRefused, carried_tree, git_apply_tree, load_carry
+from backport.engine import build
+from backport.errors import ApplyError, RecipeError
+from backport.recipe import load_recipe
+from backport.workspace import check_tree_path
+
+from conftest import GIT_ENV, gdn_text, git_diff, recipe_data, write_recipe
+
+pytestmark = pytest.mark.usefixtures("engine_env")
+
+F = '"""m."""\n\n\ndef f(x):\n    y = x + 1\n    return y\n\n\ndef g(x):\n    y = x + 1\n    return y\n'
+
+
+def _git(cwd: Path, *args: str) -> bytes:
+    env = {**os.environ, **GIT_ENV, "HOME": "/nonexistent"}
+    return subprocess.run(["git", "-c", "core.autocrlf=false", *args], cwd=cwd, env=env, check=True,
+                          capture_output=True).stdout
+
+
+def make_carry(tmp: Path, base: dict, change, diff_args=("-M",)) -> tuple[Path, Path]:
+    """A base tree (dir) from ``base`` {path: bytes} and a carry made by ``change(repo)`` with git diff."""
+    repo = tmp / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    for rel, data in base.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_bytes(data)
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "base")
+    change(repo)
+    _git(repo, "add", "-A")
+    patch = _git(repo, "diff", "--cached", "--full-index", *diff_args)
+    _git(repo, "reset", "-q", "--hard")
+    carry = tmp / "carry.patch"
+    carry.write_bytes(patch)
+    return carry, repo
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def _refused(carry: Path, base: Path) -> CarryRefused:
+    with pytest.raises(CarryRefused) as exc:
+        carried_tree(carry, base)
+    assert exc.value.exit_code == 6
+    assert "refused before anything was written" in exc.value.message and exc.value.hint
+    return exc.value
+
+
+# --- named refusals ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", [b"", b"\n\n", b"just some notes\nnot a diff\n"])
+def test_empty_or_non_diff_carry_is_not_a_patch(tmp_path, text):
+    carry = tmp_path / "notes.patch"
+    carry.write_bytes(text)
+    exc = _refused(carry, tmp_path)
+    assert exc.reason == "not-a-patch" and "notes.patch" in exc.message
+
+
+@pytest.mark.parametrize("args", [("--binary",), ()])
+def test_binary_diff_is_refused_naming_the_file(tmp_path, args):
+    carry, repo = make_carry(tmp_path, {"m/blob.bin": b"\0\1\2"}, lambda r: _write(r / "m/blob.bin", b"\0\3"), args)
+    exc = _refused(carry, repo)
+    assert exc.reason == "binary" and "m/blob.bin" in exc.message
+
+
+def test_zero_context_hunk_is_refused(tmp_path):
+    carry, repo = make_carry(tmp_path, {"m.py": F.encode()},
+                             lambda r: _write(r / "m.py", F.replace("y = x + 1\n    return y\n\n\ndef g",
+                                                                    "y = x + 2\n    return y\n\n\ndef g").encode()),
+                             ("-U0",))
+    exc = _refused(carry, repo)
+    assert exc.reason == "zero-context" and "m.py hunk 1" in exc.message
+
+
+def test_symlink_in_the_carry_is_refused(tmp_path):
+    carry, repo = make_carry(tmp_path, {"m.py": F.encode()}, lambda r: os.symlink("m.py", r / "link.py"))
+    exc = _refused(carry, repo)
+    assert exc.reason == "symlink" and "link.py" in exc.message
+
+
+def test_non_utf8_carry_is_refused(tmp_path):
+    carry = tmp_path / "latin1.patch"
+    carry.write_bytes("--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-\xe9\n+e\n".encode("latin-1"))
+    assert _refused(carry, tmp_path).reason == "non-utf8"
+
+
+def test_already_applied_hunk_says_so(tmp_path):
+    new = F.replace("def f(x):\n    y = x + 1", "def f(x):\n    y = x + 5")
+    carry, repo = make_carry(tmp_path, {"m.py": F.encode()}, lambda r: _write(r / "m.py", new.encode()))
+    (repo / "m.py").write_text(new)  # the base already has the change
+    with pytest.raises(ApplyError) as exc:
+        carried_tree(carry, repo)
+    assert "already applied" in exc.value.message and "context differs" not in exc.value.message
+    assert "carry:m.py#1" in exc.value.message and exc.value.exit_code == 6
+
+
+def test_context_that_differs_is_zero_fuzz_error(tmp_path):
+    carry, repo = make_carry(tmp_path, {"m.py": F.encode()},
+                             lambda r: _write(r / "m.py", F.replace("x + 1\n    return y\n\n\ndef g", "x + 7\n    return y\n\n\ndef g").encode()))
+    (repo / "m.py").write_text(F.replace("def f(x):", "def f(x, z):"))
+    with pytest.raises(ApplyError) as exc:
+        carried_tree(carry, repo)
+    assert "does not apply with zero fuzz" in exc.value.message
+
+
+# --- features applied exactly as git apply ------------------------------------------------------
+
+CRLF = b"def f(x):\r\n    y = x + 1\r\n    return y\r\n"
+
+
+@pytest.mark.parametrize("name, base, change, args", [
+    ("rename-with-edit", {"a.py": F.encode()},
+     lambda r: (os.rename(r / "a.py", r / "b.py"), _write(r / "b.py", F.replace("x + 1", "x + 2", 1).encode())), ("-M",)),
+    ("pure-rename", {"a.py": F.encode()}, lambda r: os.rename(r / "a.py", r / "sub/b.py")
+     if (r / "sub").mkdir() is None else None, ("-M",)),
+    ("copy-with-edit", {"a.py": F.encode()},
+     lambda r: _write(r / "c.py", F.replace("x + 1", "x + 3", 1).encode()), ("-C", "--find-copies-harder")),
+    ("copy-of-a-file-also-modified", {"a.py": F.encode()},
+     lambda r: (_write(r / "c.py", F.replace("x + 1", "x + 3", 1).encode()),
+                _write(r / "a.py", F.replace("return y\n\n\ndef g", "return -y\n\n\ndef g").encode())),
+     ("-C", "--find-copies-harder")),
+    ("mode-only", {"a.py": F.encode()}, lambda r: (r / "a.py").chmod(0o755), ()),
+    ("mode-and-edit", {"a.py": F.encode()},
+     lambda r: (_write(r / "a.py", F.replace("x + 1", "x + 2", 1).encode()), (r / "a.py").chmod(0o755)), ()),
+    ("new-file", {"a.py": F.encode()}, lambda r: _write(r / "new/n.py", b"N = 1\n"), ()),
+    ("new-executable", {"a.py": F.encode()}, lambda r: (_write(r / "n.sh", b"echo\n"), (r / "n.sh").chmod(0o755)), ()),
+    ("deleted-file", {"a.py": F.encode(), "b.py": b"B = 1\n"}, lambda r: (r / "b.py").unlink(), ()),
+    ("no-newline-added", {"a.py": F.encode()}, lambda r: _write(r / "a.py", F.encode().rstrip(b"\n")), ()),
+    ("no-newline-removed", {"a.py": F.encode().rstrip(b"\n")}, lambda r: _write(r / "a.py", F.encode()), ()),
+    ("no-newline-both", {"a.py": F.encode().rstrip(b"\n")},
+     lambda r: _write(r / "a.py", F.encode().rstrip(b"\n") + b"  # x"), ()),
+    ("crlf-edit", {"w.py": CRLF}, lambda r: _write(r / "w.py", CRLF.replace(b"x + 1", b"x + 2")), ()),
+    ("crlf-insert-at-start-and-end", {"w.py": CRLF}, lambda r: _write(r / "w.py", b"# top\r\n" + CRLF + b"Z = 1\r\n"), ()),
+])
+def test_feature_equals_git_apply_byte_for_byte(tmp_path, name, base, change, args):
+    carry, repo = make_carry(tmp_path, base, change, args)
+    assert carry.read_bytes().strip(), name
+    for kind in ("copy", "rename", "mode", "deleted", "new"):
+        if kind in name.split("-"):
+            assert {"copy": b"\ncopy from ", "rename": b"\nrename from ", "mode": b"\nnew mode 100755",
+                    "deleted": b"\ndeleted file mode", "new": b"\nnew file mode"}[kind] in carry.read_bytes(), name
+    ours = carried_tree(carry, repo)
+    ref, message = git_apply_tree(load_carry(carry), repo)
+    assert message == "" and ours == ref
+
+
+def test_placement_refuses_context_found_only_in_another_function(tmp_path):
+    """The hunk is made against f; in the tree f's lines differ but g has the same context:
+    never placed in g."""
+    carry, repo = make_carry(tmp_path, {"m.py": F.encode()},
+                             lambda r: _write(r / "m.py", F.replace("x + 1\n    return y\n\n\ndef g", "x + 1\n    return y  # f\n\n\ndef g").encode()),
+                             ("-U1",))
+    (repo / "m.py").write_text(F.replace("def f(x):\n    y = x + 1", "def f(x):\n    y = x + 10")
+                               + "\n\ndef h():\n    pass\n")
+    with pytest.raises(ApplyError) as exc:
+        carried_tree(carry, repo)
+    assert "belongs in f" in exc.value.message and "only in g" in exc.value.message
+
+
+def test_placement_refuses_two_matches_in_the_same_symbol(tmp_path):
+    body = "def f(x):\n    y = 1\n    y = 1\n    y = 1\n    y = 1\n    y = 1\n    return y\n"
+    carry, repo = make_carry(tmp_path, {"m.py": body.encode()},
+                             lambda r: _write(r / "m.py", body.replace("    return y", "    y = 2\n    return y").encode()),
+                             ("-U1",))
+    (repo / "m.py").write_text(body.replace("def f(x):\n", "def f(x):\n    y = 1\n    y = 1\n    return y\n"))
+    with pytest.raises(ApplyError) as exc:
+        carried_tree(carry, repo)
+    assert "times inside f" in exc.value.message and "does not guess" in exc.value.message
+
+
+def test_offset_is_warned_and_recorded(tmp_path):
+    new = F.replace("def g(x):\n    y = x + 1", "def g(x):\n    y = x + 2")
+    carry, repo = make_carry(tmp_path, {"m.py": F.encode()}, lambda r: _write(r / "m.py", new.encode()))
+    (repo / "m.py").write_text("# one more line\n" + F)
+    from backport.carry import apply_carry, check_paths
+    from backport.workspace import Workspace
+    from backport.carry import read_base
+
+    warnings, origins = [], {}
+    c = load_carry(carry)
+    check_paths(c, repo)
+    apply_carry(c, Workspace(), lambda p: read_base(repo, p), repo, origins, warnings.append)
+    assert origins["carry:m.py#1"]["offset"] == 1 and origins["carry:m.py#1"]["symbol"] == "g"
+    assert warnings == ["warning: carried hunk carry:m.py#1 placed at offset +1 lines"]
+
+
+# --- paths stay inside the tree --------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["../../escaped.py", "megatron/../../escaped.py", "/tmp/gdn-abs-escape.py"])
+def test_carry_path_leaving_the_tree_is_refused_before_any_write(tmp_path, path):
+    tree = tmp_path / "deep" / "tree"
+    tree.mkdir(parents=True)
+    target = "b/" + path if not path.startswith("/") else path
+    carry = tmp_path / "evil.patch"
+    carry.write_text(f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ {target}\n"
+                     "@@ -0,0 +1 @@\n+ESCAPED = True\n")
+    with pytest.raises(ApplyError) as exc:
+        carried_tree(carry, tree)
+    assert exc.value.exit_code == 6 and path in exc.value.message
+    assert not (tmp_path / "escaped.py").exists() and not (tmp_path / "deep" / "escaped.py").exists()
+    assert not Path("/tmp/gdn-abs-escape.py").exists()
+
+
+def test_carry_path_through_a_symlink_leading_out_is_refused(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "megatron").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, tree / "megatron" / "link")
+    carry = tmp_path / "evil.patch"
+    carry.write_text("diff --git a/megatron/link/x.py b/megatron/link/x.py\nnew file mode 100644\n--- /dev/null\n"
+                     "+++ b/megatron/link/x.py\n@@ -0,0 +1 @@\n+X = 1\n")
+    with pytest.raises(ApplyError) as exc:
+        carried_tree(carry, tree)
+    assert "megatron/link/x.py" in exc.value.message and "symlink leading out" in exc.value.message
+    assert list(outside.iterdir()) == []
+
+
+def test_carry_rename_header_leaving_the_tree_is_refused(tmp_path):
+    (tmp_path / "tree").mkdir()
+    carry = tmp_path / "evil.patch"
+    carry.write_text("diff --git a/m.py b/m.py\nsimilarity index 100%\nrename from m.py\nrename to ../m.py\n")
+    with pytest.raises(ApplyError) as exc:
+        carried_tree(carry, tmp_path / "tree")
+    assert "'../m.py'" in exc.value.message
+
+
+def test_check_tree_path_refuses_a_symlink_leading_out_with_the_given_error(tmp_path):
+    (tmp_path / "t").mkdir()
+    os.symlink("/etc", tmp_path / "t" / "etc")
+    with pytest.raises(RecipeError) as exc:
+        check_tree_path("etc/passwd", tmp_path / "t", RecipeError, what="recipe step s: path")
+    assert exc.value.exit_code == 5 and "etc/passwd" in exc.value.message
+    os.symlink("megatron", tmp_path / "t" / "inside")
+    (tmp_path / "t" / "megatron").mkdir()
+    assert check_tree_path("inside/x.py", tmp_path / "t") == "inside/x.py"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("path", "../escaped.py"), ("path", "/tmp/escaped.py"), ("path", "megatron/../../escaped.py"),
+    ("template", "../../backport/cli.py"),
+])
+def test_recipe_add_file_leaving_the_tree_is_recipe_error(tmp_path, fake_repos, field, value):
+    data = recipe_data(fake_repos)
+    step = next(s for s in data["steps"] if s["kind"] == "add_file")
+    step[field] = value
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(write_recipe(tmp_path / "r.yaml", data))
+    assert exc.value.exit_code == 5 and value in exc.value.message
+
+
+def test_every_step_path_is_checked(tmp_path, fake_repos):
+    data = recipe_data(fake_repos)
+    for s in data["steps"]:
+        if "path" in s:
+            s["path"] = "../" + s["path"]
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(write_recipe(tmp_path / "r.yaml", data))
+    with_path = [s["kind"] for s in data["steps"] if "path" in s]
+    assert set(with_path) == {"upstream_file", "transplant", "add_file", "adaptation", "fix"}
+    assert exc.value.message.count("leaves the tree root") == len(with_path)
+
+
+def test_engine_refuses_escaping_carry_before_writing(tmp_path, recipe, make_options):
+    carry = tmp_path / "evil.patch"
+    carry.write_text("diff --git a/../../pwned.py b/../../pwned.py\nnew file mode 100644\n--- /dev/null\n"
+                     "+++ b/../../pwned.py\n@@ -0,0 +1 @@\n+PWNED = 1\n")
+    with pytest.raises(ApplyError) as exc:
+        build(make_options(recipe, carry=carry))
+    assert exc.value.exit_code == 6 and "'../../pwned.py'" in exc.value.message
+
+
+# --- through the engine: the output patch reproduces what was carried ---------------------------------
+
+def test_engine_carries_rename_mode_delete_and_crlf_and_patch_reproduces_them(tmp_path, fake_repos, recipe,
+                                                                               make_options):
+    gdn = gdn_text()
+    bridge = "def bridge():\n    return 'gdn'\n"
+    text = git_diff(tmp_path / "src",
+                    {"megatron/core/ssm/gated_delta_net.py": gdn, "megatron/bridge/models/gdn_bridge.py": bridge,
+                     "megatron/core/bridge_only.py": "ONLY_IN_BRIDGE = True\n"},
+                    {"megatron/bridge/models/gdn_bridge.py": None,
+                     "megatron/bridge/models/gdn_bridge_v2.py": bridge + "\n\nV2 = True\n",
+                     "megatron/core/bridge_only.py": None,
+                     "megatron/core/windows.py": "A = 1\r\nB = 2\r\n"})
+    carry = tmp_path / "down.patch"
+    carry.write_text(text, newline="")
+    b = build(make_options(recipe, carry=carry))
+    patch = b.patch.decode()
+    assert "+A = 1\r\n" in patch and "deleted file mode" in patch
+    files = {f["path"]: f["status"] for f in b.manifest["files"]}
+    assert files["megatron/bridge/models/gdn_bridge.py"] == "deleted"
+    assert files["megatron/bridge/models/gdn_bridge_v2.py"] == "added"
+    assert files["megatron/core/bridge_only.py"] == "deleted"
+    checks = {c["check"]: c for c in b.manifest["verification"]}
+    assert checks["applies"]["ok"] and checks["carry_survival"]["ok"]
+    assert "carry:megatron/bridge/models/gdn_bridge_v2.py#rename" in b.manifest["carry"]["hunks"]
+
+
+def test_upstream_offsets_are_warned_and_shown_in_manifest_md(recipe, make_options):
+    from backport.manifest_md import render_markdown
+
+    messages = []
+    b = build(make_options(recipe), progress=messages.append)
+    assert "warning: upstream hunk megatron/core/utils.py#1 placed at offset -3 lines" in messages
+    assert sum("warning:" in m for m in messages) == 2  # once per hunk, not again for the determinism run
+    md = render_markdown(b.manifest)
+    assert "Placed at an offset from their header line (2): `megatron/core/utils.py#1` -3" in md
+    assert "| `megatron/core/utils.py#1` | upstream-verbatim | applied | -3 |" in md
