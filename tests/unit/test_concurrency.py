@@ -53,11 +53,30 @@ def recipe(tmp_path, fake_repos) -> Path:
     return write_recipe(tmp_path / "fake.yaml", recipe_data(fake_repos))
 
 
+# tools/backport with the engine's build slowed by 2 s (inside the output lock), so that two runs
+# started half a second apart overlap on any machine, loaded or idle.
+SLOW_RUN = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    from backport import cli, engine
+    real_build = engine.build
+    def slow_build(*args, **kwargs):
+        time.sleep(2.0)
+        return real_build(*args, **kwargs)
+    engine.build = slow_build
+    cli.main(sys.argv[2:])
+""")
+
+
+def _slow(args: list[str]) -> list[str]:
+    return [sys.executable, "-c", SLOW_RUN, str(REPO), *args[2:]]
+
+
 def test_two_runs_in_one_folder_half_a_second_apart(tmp_path, fake_repos, recipe):
     out, cache = tmp_path / "out", tmp_path / "cache"
-    first = _start(_args(fake_repos, recipe, cache, out))
+    first = _start(_slow(_args(fake_repos, recipe, cache, out)))
     time.sleep(0.5)
-    second = _start(_args(fake_repos, recipe, cache, out))
+    second = _start(_slow(_args(fake_repos, recipe, cache, out)))
     (rc1, out1, err1), (rc2, out2, err2) = _finish(first), _finish(second)
     assert (rc1, rc2) == (0, 0), err1 + err2
     assert "Traceback" not in err1 + err2
