@@ -38,7 +38,11 @@ def _is_docstring(stmt) -> bool:
 
 
 def _blank_line_before(stmt):
-    return stmt.with_changes(leading_lines=[cst.EmptyLine(indent=False)] + list(stmt.leading_lines))
+    """Exactly one blank line before ``stmt`` (before its leading comments), as black keeps it."""
+    lines = list(stmt.leading_lines)
+    while lines and lines[0].comment is None:
+        lines.pop(0)
+    return stmt.with_changes(leading_lines=[cst.EmptyLine(indent=False)] + lines)
 
 
 def _replace_method(module, cls, name, new_fn, path):
@@ -139,14 +143,50 @@ def gdn_imports(text: str, path: str = "gated_delta_net.py") -> Result:
     idx = next((i for i, s in enumerate(body) if m.matches(s, anchor)), None)
     if idx is None:
         raise ApplyError(f"{path}: anchor `from megatron.core.process_groups_config import ...` not found.")
-    body[idx + 1:idx + 1] = statements(GDN_IMPORTS)
+    for stmt in statements(GDN_IMPORTS):
+        at = _sorted_import_index(body, idx, _from_module(stmt))
+        if at <= idx:
+            idx += 1
+        if at < len(body) and at > 0 and not _from_module(body[at - 1]).startswith("megatron."):
+            # first of the section: the section's blank line moves up to the new import
+            body.insert(at, stmt.with_changes(leading_lines=body[at].leading_lines))
+            body[at + 1] = body[at + 1].with_changes(leading_lines=[])
+        else:
+            body.insert(at, stmt.with_changes(leading_lines=[]))
     return Result(module.with_changes(body=body).code)
+
+
+def _from_module(stmt) -> str:
+    """Dotted module of a ``from X import ...`` statement line ("" for anything else)."""
+    node = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and stmt.body else None
+    if not isinstance(node, cst.ImportFrom) or node.module is None:
+        return ""
+    return cst.Module(body=[]).code_for_node(node.module)
+
+
+def _sorted_import_index(body: list, anchor: int, name: str) -> int:
+    """Where isort (profile black) puts ``from <name> import ...`` in the run of ``megatron.``
+    from-imports around ``body[anchor]``: before the first one whose module sorts after it."""
+    start = anchor
+    while start > 0 and _from_module(body[start - 1]).startswith("megatron."):
+        start -= 1
+    end = anchor
+    while end < len(body) and _from_module(body[end]).startswith("megatron."):
+        end += 1
+    for i in range(start, end):
+        if _from_module(body[i]).lower() > name.lower():
+            return i
+    return end
 
 
 GDN_INIT_CHECK = '''
 # The GDN CP mode is static: checked here (mode and head rule), read again in forward.
 gdn_context_parallel.check_linear_cp_geometry(
-    self.config.linear_cp_mode, self.num_key_heads, self.num_value_heads, self.tp_size, self.cp_size
+    self.config.linear_cp_mode,
+    self.num_key_heads,
+    self.num_value_heads,
+    self.tp_size,
+    self.cp_size,
 )
 '''
 
@@ -200,8 +240,25 @@ def gdn_prepare_qkv_headwise_cp_size(text: str, path: str = "gated_delta_net.py"
     params.append(cst.Param(name=cst.Name("cp_size_headwise"), default=cst.Integer("1"),
                             equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))))
     new_fn = fn.with_changes(params=fn.params.with_changes(params=params))
+    signature = next(ln for ln in module.code_for_node(new_fn).splitlines() if ln.lstrip().startswith("def "))
+    if len(signature) + 4 > 100:  # a method: one indent level inside the class
+        new_fn = _params_on_their_own_line(new_fn)
     new_fn = new_fn.visit(_SelfAttrToName("cp_size", "cp_size_headwise"))
     return Result(replace_node(module, fn, new_fn, path).code)
+
+
+def _params_on_their_own_line(fn: cst.FunctionDef) -> cst.FunctionDef:
+    """``def f(\n    a, b\n):`` as black writes a signature over the line length (no magic comma)."""
+    params = list(fn.params.params)
+    params = [p.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))) for p in params[:-1]] + [
+        params[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
+    return fn.with_changes(
+        params=fn.params.with_changes(params=params),
+        whitespace_before_params=cst.ParenthesizedWhitespace(
+            first_line=cst.TrailingWhitespace(), indent=True, last_line=cst.SimpleWhitespace("    ")),
+        whitespace_before_colon=cst.SimpleWhitespace(""),
+    ).with_deep_changes(params[-1], whitespace_after_param=cst.ParenthesizedWhitespace(
+        first_line=cst.TrailingWhitespace(), indent=True, last_line=cst.SimpleWhitespace("")))
 
 
 class _SelfAttrToName(cst.CSTTransformer):
