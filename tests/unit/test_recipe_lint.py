@@ -64,3 +64,24 @@ def test_quoted_and_block_reasons_with_hash_are_fine():
     text = 'steps:\n  - why: "belongs to PR #5664 (route)"\n    why: |\n      PR #5664\n'
     assert lint_yaml_reasons(text) == []
     assert lint_yaml_reasons("  - why: belongs to PR #5664 (route)\n") == ["line 1: - why: belongs to PR #5664 (route)"]
+
+
+def test_every_cited_decision_is_defined_in_docs_decisions():
+    import re
+
+    recipe, _ = load_recipe(SHIPPED)
+    reasons = " ".join([s.why for s in recipe.steps] + [e.why for e in recipe.excluded])
+    cited = set()
+    for group in re.findall(r"decisions? ((?:\d+[ab]?(?:, | and )?)+)", reasons):
+        cited |= set(re.findall(r"\d+[ab]?", group))
+    assert cited, "the recipe cites no decision: drop this test or docs/decisions.md"
+    table = (REPO / "docs" / "decisions.md").read_text(encoding="utf-8")
+    defined = set(re.findall(r"^\| (\d+[ab]?) \|", table, flags=re.M))
+    assert cited <= defined, f"cited but not defined in docs/decisions.md: {sorted(cited - defined)}"
+
+
+def test_manifest_markdown_points_to_the_decisions():
+    from backport.manifest_md import render_markdown  # noqa: F401  (the sentence is in its header)
+    import inspect
+
+    assert "docs/decisions.md" in inspect.getsource(render_markdown)
