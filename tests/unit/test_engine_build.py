@@ -422,3 +422,9 @@ def test_summary_prints_the_last_runs_table_without_rebuilding(tmp_path, fake_re
     assert f"gdn-backport summary: {manifest['patch']['name']}" in shown.stdout
     assert manifest["patch"]["sha256"] in shown.stdout
     assert "check deterministic" in shown.stdout
+
+
+def test_manifest_markdown_says_where_the_decisions_are_defined(built):
+    from backport.manifest_md import render_markdown
+
+    assert "`docs/decisions.md`" in render_markdown(built[0].manifest)

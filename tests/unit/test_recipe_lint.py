@@ -79,9 +79,3 @@ def test_every_cited_decision_is_defined_in_docs_decisions():
     defined = set(re.findall(r"^\| (\d+[ab]?) \|", table, flags=re.M))
     assert cited <= defined, f"cited but not defined in docs/decisions.md: {sorted(cited - defined)}"
 
-
-def test_manifest_markdown_points_to_the_decisions():
-    from backport.manifest_md import render_markdown  # noqa: F401  (the sentence is in its header)
-    import inspect
-
-    assert "docs/decisions.md" in inspect.getsource(render_markdown)
