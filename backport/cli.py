@@ -82,23 +82,6 @@ def _date_choice(date: Optional[str], release: bool, out: Path, check: bool) -> 
     return None, "today (UTC): there is no lock"
 
 
-def _lock_changes(old: Optional[dict], new: dict) -> list[str]:
-    """What differs between two locks, as short phrases (empty when identical)."""
-    if old is None:
-        return ["new lock"]
-    changes = []
-    if old.get("date") != new["date"]:
-        changes.append(f"date {old.get('date')} -> {new['date']}")
-    if old.get("patch") != new["patch"]:
-        o = old.get("patch") or {}
-        changes.append(f"patch {o.get('name')} ({str(o.get('sha256'))[:12]}) -> "
-                       f"{new['patch']['name']} ({new['patch']['sha256'][:12]})")
-    for key in sorted((set(old) | set(new)) - {"date", "patch"}):
-        if old.get(key) != new.get(key):
-            changes.append(f"{key} changed")
-    return changes
-
-
 def _read_json(path: Path) -> Optional[dict]:
     import json
 
@@ -269,12 +252,18 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         written = output.write(build, out, trees=not no_trees)
         build.timings["write_s"] = time.perf_counter() - t0
         out_console.print(_summary(build, written, "write"))
-        changes = _lock_changes(old_lock, output.lock_data(build))
+        changes = output.lock_changes(old_lock, output.lock_data(build))
         if not changes:
             click.echo(f"lock: {output.LOCK} unchanged (dated {shown}, as committed)")
         else:
-            click.echo(f"release: {output.LOCK} changed: {'; '.join(changes)}. Commit it to publish this "
-                       f"release, or `git checkout {output.LOCK}` and run without --date/--release to undo.")
+            same_day = old_lock is not None and old_lock.get("date") == output.lock_data(build)["date"]
+            if same_day and not release:
+                click.echo(f"lock: {output.LOCK} changed: {'; '.join(changes)}. The recipe, the pins or the "
+                           "tool's code changed since the lock was committed (same date); commit the lock to "
+                           "publish these bytes.")
+            else:
+                click.echo(f"release: {output.LOCK} changed: {'; '.join(changes)}. Commit it to publish this "
+                           f"release, or `git checkout {output.LOCK}` and run without --date/--release to undo.")
 
 
 def _print_summary(out: Path) -> None:

@@ -312,6 +312,30 @@ def lock_date(root: Path) -> "str | None":
                                  "`tools/backport`, then run --check again.") from exc
 
 
+def lock_changes(old: "dict | None", new: dict) -> list[str]:
+    """What differs between two locks, as short phrases (empty when identical).
+
+    Used by the CLI after a write and by :func:`check` to say which fields of the lock differ.
+    """
+    if old is None:
+        return ["new lock"]
+    changes = []
+    if old.get("date") != new["date"]:
+        changes.append(f"date {old.get('date')} -> {new['date']}")
+    if old.get("patch") != new["patch"]:
+        o = old.get("patch") or {}
+        changes.append(f"patch {o.get('name')} ({str(o.get('sha256'))[:12]}) -> "
+                       f"{new['patch']['name']} ({new['patch']['sha256'][:12]})")
+    for key in sorted((set(old) | set(new)) - {"date", "patch"}):
+        if old.get(key) != new.get(key):
+            if isinstance(old.get(key), dict) and isinstance(new.get(key), dict):
+                inner = sorted(k for k in set(old[key]) | set(new[key]) if old[key].get(k) != new[key].get(k))
+                changes.append(f"{key} changed ({', '.join(inner)})")
+            else:
+                changes.append(f"{key} changed")
+    return changes
+
+
 def check(build, root: Path) -> dict[str, str]:
     """Compare fresh outputs with the files on disk.
 
@@ -337,7 +361,15 @@ def check(build, root: Path) -> dict[str, str]:
             else:
                 diffs.append(f"{rel} (missing)")
         elif path.read_bytes() != data:
-            diffs.append(f"{rel} (differs)")
+            detail = "differs"
+            if rel == LOCK:
+                try:
+                    on_disk = json.loads(path.read_text(encoding="utf-8"))
+                except ValueError:
+                    on_disk = None
+                if isinstance(on_disk, dict):
+                    detail = "differs: " + "; ".join(lock_changes(on_disk, json.loads(data)) or ["formatting"])
+            diffs.append(f"{rel} ({detail})")
         else:
             report[rel] = "identical"
     if diffs:

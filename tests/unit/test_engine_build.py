@@ -257,7 +257,7 @@ def test_check_of_a_fresh_clone_compares_the_lock_alone(built, tmp_path):
     lock = json.loads((tmp_path / output.LOCK).read_text())
     lock["patch"]["sha256"] = "0" * 64
     (tmp_path / output.LOCK).write_bytes(output.canonical_json(lock))
-    with pytest.raises(output.CheckMismatch, match=r"manifests/lock.json \(differs\)"):
+    with pytest.raises(output.CheckMismatch, match=r"manifests/lock.json \(differs: patch "):
         output.check(built[0], tmp_path)
     (tmp_path / output.LOCK).unlink()
     with pytest.raises(output.CheckMismatch, match=r"manifests/lock.json \(missing\)"):
@@ -384,7 +384,7 @@ def test_cli_check_takes_the_lock_date(tmp_path, fake_repos, recipe):
     # An explicit --date, or SOURCE_DATE_EPOCH, still wins (with a warning), and a different
     # date is a different patch.
     other = runner.invoke(cli, base + ["--check", "--out", str(out), "--offline", "--date", "2026-01-03"])
-    assert other.exit_code == 8 and "manifests/lock.json (differs)" in other.stderr
+    assert other.exit_code == 8 and "manifests/lock.json (differs: date 2026-01-02 -> 2026-01-03" in other.stderr
     assert "check: date 2026-01-03 from --date" in other.stderr
     assert "manifests/lock.json is dated 2026-01-02" in other.stderr
     epoch = runner.invoke(cli, base + ["--check", "--out", str(out), "--offline"],

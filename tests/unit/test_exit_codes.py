@@ -10,6 +10,7 @@ PYTHONUTF8=0`` with non-ASCII text in the recipe and the carried patch.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -144,6 +145,25 @@ def test_plain_run_reproduces_the_lock_date_and_a_release_says_what_changed(base
     assert released.exit_code == 0, released.output
     assert "release: manifests/lock.json changed: date 2026-01-02 -> 2026-01-03; patch 20260102-" in released.stdout
     assert "Commit it to publish this release" in released.stdout
+
+
+def test_a_stale_lock_is_named_field_by_field_by_check_and_by_a_plain_run(base_args, tmp_path):
+    """The lock was committed before the recipe/code changed: --check says which fields differ,
+    and a plain run (same date) says so instead of calling it a release."""
+    assert _invoke(base_args + ["--no-trees"]).exit_code == 0
+    lock_path = tmp_path / "out" / output.LOCK
+    lock = json.loads(lock_path.read_text(encoding="utf-8"))
+    lock["recipe"]["sha256"] = "0" * 64
+    lock["patch"]["sha256"] = "1" * 64
+    lock_path.write_bytes(output.canonical_json(lock))
+    checked = _invoke(base_args + ["--check", "--offline"])
+    assert checked.exit_code == 8, checked.output
+    assert "manifests/lock.json (differs: patch " in checked.stderr
+    assert "(111111111111) -> " in checked.stderr and "recipe changed (sha256)" in checked.stderr
+    rerun = _invoke(base_args + ["--no-trees", "--offline"])
+    assert rerun.exit_code == 0, rerun.output
+    assert "lock: manifests/lock.json changed: patch " in rerun.stdout
+    assert "changed since the lock was committed (same date)" in rerun.stdout and "release:" not in rerun.stdout
 
 
 def test_busy_is_15_and_interrupted_is_130(base_args, tmp_path):
