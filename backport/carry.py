@@ -25,13 +25,11 @@ from typing import Callable, Optional
 from unidiff import PatchSet
 
 from .errors import ApplyError
+from .gitenv import isolated
 from .workspace import (FileState, HunkLines, Workspace, anchor_line, check_tree_path, enclosing_symbol,
                         hunk_lines, split_lines, symbol_spans)
 
-GIT_ENV = {
-    "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "HOME": "/nonexistent", "TZ": "UTC",
-    "LC_ALL": "C",
-}
+GIT_ENV = {"LC_ALL": "C"}
 MODES = {"100644", "100755"}
 
 #: Refusal reasons by name (the message starts with ``carried patch <file>: <reason>``).
@@ -256,7 +254,7 @@ def git_apply_tree(carry: Carry, base_tree: Path) -> tuple[Optional[dict], str]:
     with tempfile.TemporaryDirectory(prefix="gdn-carry-") as tmp:
         root = Path(tmp) / "tree"
         root.mkdir()
-        env = {**os.environ, **GIT_ENV}
+        env = isolated(GIT_ENV)
         subprocess.run(["git", "init", "-q"], cwd=root, env=env, check=True, capture_output=True)
         paths = sorted({p for cf in carry.files for p in (cf.old_path, cf.new_path) if p})
         for p in paths:

@@ -103,7 +103,8 @@ def _save_traceback(exc: BaseException, places: list) -> Optional[Path]:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"gdn-backport-error-{stamp}-{os.getpid()}.log"
-            path.write_text(f"tools/backport {' '.join(sys.argv[1:])}\n{text}", encoding="utf-8")
+            path.write_text(f"tools/backport {' '.join(sys.argv[1:])}\n{text}", encoding="utf-8",
+                            errors="backslashreplace")
             return path
         except OSError:
             continue

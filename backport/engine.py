@@ -28,6 +28,7 @@ from .transforms.merge import merge_carried_functions
 from .transforms.transplant import transplant
 from .tree import assemble_base_tree
 from .upstream import UpstreamHunk, load_hunks
+from .gitenv import isolated
 from .workspace import Workspace, check_tree_path, split_lines
 
 ADAPTATIONS = Path(__file__).resolve().parent / "adaptations"
@@ -35,8 +36,16 @@ GIT_ENV = {
     "GIT_AUTHOR_NAME": "gdn-backport", "GIT_AUTHOR_EMAIL": "gdn-backport@localhost",
     "GIT_COMMITTER_NAME": "gdn-backport", "GIT_COMMITTER_EMAIL": "gdn-backport@localhost",
     "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
-    "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent", "TZ": "UTC",
 }
+
+
+def fs_text(name: str) -> str:
+    """A file name as text for the manifest: its bytes read as UTF-8, whatever the locale.
+
+    Under a non-UTF-8 locale (``LC_ALL=C PYTHONUTF8=0``) Python hands non-ASCII names over as
+    surrogate escapes, which cannot be written as UTF-8; undecodable bytes become ``\\xNN``.
+    """
+    return os.fsencode(name).decode("utf-8", errors="backslashreplace")
 
 
 @dataclass
@@ -90,7 +99,7 @@ class Build:
 
 
 def _git(cwd: Path, *args: str) -> str:
-    env = {**os.environ, **GIT_ENV}
+    env = isolated(GIT_ENV)
     return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, encoding="utf-8").stdout
 
 
@@ -125,7 +134,7 @@ def make_patch(files: list, header: str) -> str:
             elif (root / f.path).exists():
                 (root / f.path).unlink()
         _git(root, "add", "-A")
-        env = {**os.environ, **GIT_ENV}
+        env = isolated(GIT_ENV)
         diff = subprocess.run(["git", "-c", "core.filemode=true", "diff", "--cached", "--no-color", "--no-renames",
                                "--no-ext-diff", "--full-index", "-U3", "--src-prefix=a/", "--dst-prefix=b/"],
                               cwd=root, env=env, check=True, capture_output=True).stdout.decode("utf-8")
@@ -415,7 +424,7 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
             "prerequisites": sorted({s.commit for s in recipe.steps if isinstance(s, Transplant)}),
         },
         "carry": None if opts.carry is None else {
-            "name": opts.carry.name, "sha256": carry_sha,
+            "name": fs_text(opts.carry.name), "sha256": carry_sha,
             "hunks": sorted(k for k, v in run.origins.items() if v["kind"] == "carried")},
         "patch": {
             "name": f"{opts.date}-{base_sha[:9]}.patch", "sha256": hashlib.sha256(patch_bytes).hexdigest(),

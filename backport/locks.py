@@ -75,7 +75,8 @@ def hold(path: Path, what: str, say: Callable[[str], None] = _say) -> Iterator[N
     try:
         tmp = owner.with_name(f"{owner.name}.{os.getpid()}")
         tmp.write_text(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S', time.gmtime())} UTC: "
-                       + " ".join(sys.argv[:1] + sys.argv[1:6])[:200] + "\n", encoding="utf-8")
+                       + " ".join(sys.argv[:1] + sys.argv[1:6])[:200] + "\n", encoding="utf-8",
+                       errors="backslashreplace")
         os.replace(tmp, owner)
     except OSError:
         pass  # the note only helps a waiting run; a full disk must not fail the lock

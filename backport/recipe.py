@@ -266,6 +266,6 @@ def check_coverage(recipe: Recipe, upstream_ids: list[str]) -> dict[str, tuple[s
             parts.append(f"not in the upstream commit: {', '.join(unknown)}")
         raise RecipeError(
             "recipe does not account for the upstream commit exactly once per hunk: " + "; ".join(parts),
-            hint="Run `tools/backport hunks` to list the upstream hunk ids, then take, adapt or exclude each.",
+            hint="Run `tools/backport --list-hunks` to list the upstream hunk ids, then take, adapt or exclude each.",
         )
     return {h: declared[h][0] for h in upstream_ids}

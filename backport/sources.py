@@ -22,6 +22,7 @@ import git
 
 from . import locks
 from .errors import PinError, SourceError
+from .gitenv import isolate_gitpython, isolated
 
 DEFAULT_URLS = {
     "megatron-lm": "https://github.com/NVIDIA/Megatron-LM.git",
@@ -203,7 +204,7 @@ def open_source(
             if tmp.exists():
                 shutil.rmtree(tmp)
             try:
-                git.Repo.clone_from(location, tmp, bare=True)
+                git.Repo.clone_from(location, tmp, bare=True, env=isolated())
             except git.GitCommandError as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise SourceError(f"{name}: clone of {location} failed: {exc.stderr.strip()[:400]}") from exc
@@ -213,6 +214,7 @@ def open_source(
             os.rename(tmp, cache)
             cold = True
         repo = git.Repo(cache)
+        isolate_gitpython(repo)
         source = Source(name=name, location=location, repo=repo, cold=cold)
         missing = [rev for rev in needed if not _present(source, rev)]
         if missing:

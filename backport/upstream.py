@@ -40,8 +40,9 @@ class UpstreamHunk:
 
 def diff_text(source: Source, commit: str, paths: tuple[str, ...] = ()) -> str:
     """``git show`` of ``commit`` as a plain unified diff (3 lines of context, no renames)."""
-    return source.repo.git.show("--format=", "-U3", "--no-renames", "--no-color", "--no-ext-diff", commit, "--", *paths,
-                                strip_newline_in_stdout=False)
+    data = source.repo.git.show("--format=", "-U3", "--no-renames", "--no-color", "--no-ext-diff", commit, "--",
+                                *paths, stdout_as_string=False, strip_newline_in_stdout=False)
+    return data.decode("utf-8")  # whatever the locale: GitPython would decode with the locale's codec
 
 
 def load_hunks(source: Source, commit: str) -> list[UpstreamHunk]:

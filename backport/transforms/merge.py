@@ -14,13 +14,13 @@ wins there.
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Optional
 
 from ..errors import ApplyError
+from ..gitenv import isolated
 from ..workspace import split_lines, symbol_spans
 
 CONFLICT_HINT = (
@@ -49,7 +49,7 @@ def merge3(ours: str, base: str, theirs: str, favour_ours: bool = False) -> tupl
             p = Path(tmp) / name
             p.write_bytes(text.encode("utf-8"))
             paths.append(str(p))
-        env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "HOME": "/nonexistent"}
+        env = isolated()
         args = ["git", "merge-file", "-p", "--diff3", "-L", "new", "-L", "base", "-L", "carried"]
         if favour_ours:
             args.append("--ours")

@@ -138,7 +138,7 @@ def test_coverage_errors_list_the_hunks(tmp_path, fake_repos, edit, hid, in_mess
         check_coverage(loaded, UPSTREAM_IDS)
     assert exc.value.exit_code == 5
     assert in_message in exc.value.message
-    assert "tools/backport hunks" in exc.value.hint
+    assert "tools/backport --list-hunks" in exc.value.hint
 
 
 def test_coverage_error_lists_every_problem_at_once(tmp_path, fake_repos):

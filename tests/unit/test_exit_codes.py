@@ -293,7 +293,7 @@ def test_runs_under_the_c_locale_with_non_ascii_inputs(tmp_path, fake_repos):
     data["steps"][0]["why"] = "new upstream module, taken whole (café, naïve, 'ü' — ✓)"
     recipe = write_recipe(tmp_path / "fake.yaml", data)
     bridge_file = "def bridge():\n    return 'gdn'\n"
-    carry = tmp_path / "carry.patch"
+    carry = tmp_path / "ü carry ✓.patch"  # a non-ASCII file name goes into the manifest
     carry.write_text(git_diff(tmp_path / "carry-src", {"megatron/bridge/models/gdn_bridge.py": bridge_file},
                               {"megatron/bridge/models/gdn_bridge.py": bridge_file + "\n# café ✓ résumé\n"}),
                      encoding="utf-8")
@@ -305,11 +305,36 @@ def test_runs_under_the_c_locale_with_non_ascii_inputs(tmp_path, fake_repos):
             "--megatron-bridge", str(fake_repos.bridge_repo), "--cache-dir", str(tmp_path / "cache"),
             "--no-import-check", "--date", "2026-01-02", "--out", str(tmp_path / "out"), "--carry", str(carry)]
     proc = subprocess.run(args, env=env, capture_output=True)
+    assert b"Traceback" not in proc.stderr
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     patch = (tmp_path / "out/patches/latest/megatron.patch").read_bytes().decode("utf-8")
     assert "+# café ✓ résumé" in patch
     assert "café, naïve" in (tmp_path / "out/patches/latest/manifest.md").read_text(encoding="utf-8")
+    manifest = json.loads((tmp_path / "out/patches/latest/manifest.json").read_text(encoding="utf-8"))
+    assert manifest["carry"]["name"] == "ü carry ✓.patch"
     checked = subprocess.run(args + ["--check", "--offline"], env=env, capture_output=True)
     assert checked.returncode == 0, checked.stderr.decode(errors="replace")
     failed = subprocess.run(args + ["--date", "2026-13-01"], env=env, capture_output=True)
     assert failed.returncode == 2 and b"Traceback" not in failed.stderr
+
+
+def test_the_users_git_config_does_not_change_the_bytes(tmp_path, fake_repos):
+    """diff.noprefix / diff.algorithm in a global config or in GIT_CONFIG_COUNT: same patch."""
+    recipe = write_recipe(tmp_path / "fake.yaml", recipe_data(fake_repos))
+    cfg = tmp_path / "gitconfig"
+    cfg.write_text("[diff]\n\tnoprefix = true\n\talgorithm = histogram\n[core]\n\tautocrlf = true\n",
+                   encoding="utf-8")
+
+    def run(cache, extra_env):
+        out = tmp_path / f"out-{cache}"
+        args = [sys.executable, str(REPO / "tools/backport"), "--recipe", str(recipe), "--megatron-lm",
+                str(fake_repos.mlm), "--megatron-bridge", str(fake_repos.bridge_repo), "--cache-dir",
+                str(tmp_path / cache), "--no-import-check", "--no-trees", "--date", "2026-01-02", "--out", str(out)]
+        proc = subprocess.run(args, env={**os.environ, **extra_env}, capture_output=True)
+        assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+        return (out / "patches/latest/megatron.patch").read_bytes()
+
+    plain = run("c1", {})
+    assert run("c2", {"GIT_CONFIG_GLOBAL": str(cfg)}) == plain
+    assert run("c3", {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "diff.algorithm",
+                      "GIT_CONFIG_VALUE_0": "patience", "GIT_CONFIG_PARAMETERS": "'diff.noprefix'='true'"}) == plain
