@@ -34,13 +34,17 @@ class Pins(_Strict):
 
 
 def _tree_path(value: str) -> str:
-    """A recipe path must stay inside the tree root: relative, no '..', no backslash."""
+    """A recipe path must stay inside the tree root (relative, no '..', no backslash) and be
+    written in normal form (one spelling per file)."""
     import posixpath
 
     if (not value or value.startswith("/") or "\\" in value or "\0" in value
             or any(part == ".." for part in value.split("/")) or posixpath.normpath(value) in (".", "")):
         raise ValueError(f"path {value!r} leaves the tree root (absolute, '..', or empty); "
                          "recipe paths are relative to the tree root, e.g. megatron/core/...")
+    if posixpath.normpath(value) != value:
+        raise ValueError(f"path {value!r} is not in normal form (no './', '//' or trailing '/'): "
+                         f"write {posixpath.normpath(value)!r}")
     return value
 
 

@@ -41,7 +41,9 @@ def check_tree_path(rel: str, root: Optional[Path], error=ApplyError, what: str 
                     hint: Optional[str] = None) -> str:
     """Refuse ``rel`` unless it names a place inside the tree ``root``; return it normalised.
 
-    Refused: empty, absolute, ``..`` components, backslashes or NUL, and (when ``root`` is
+    Refused: empty, absolute, ``..`` components, backslashes or NUL, a path not in normal form
+    (``./``, ``//``, a trailing ``/``: two spellings of one file would escape the checks that
+    compare paths), and (when ``root`` is
     given) any existing component that is a symlink resolving outside ``root``.
 
     Raises:
@@ -57,6 +59,8 @@ def check_tree_path(rel: str, root: Optional[Path], error=ApplyError, what: str 
         bad = "it contains '..'"
     elif posixpath.normpath(rel) in (".", ""):
         bad = "it names the tree root itself"
+    elif posixpath.normpath(rel) != rel:
+        bad = f"it is not in normal form (no './', '//' or trailing '/'): write {posixpath.normpath(rel)!r}"
     if bad is None and root is not None:
         root_real = root.resolve()
         cur = root

@@ -265,6 +265,18 @@ def test_recipe_add_file_leaving_the_tree_is_recipe_error(tmp_path, fake_repos, 
     assert exc.value.exit_code == 5 and value in exc.value.message
 
 
+@pytest.mark.parametrize("spelling", ["megatron/core/./utils.py", "megatron//core/utils.py", "megatron/core/utils.py/"])
+def test_a_step_path_not_in_normal_form_is_refused(tmp_path, fake_repos, spelling):
+    """Two spellings of one file would slip past the steps that compare paths (hostile trial:
+    './' in a transform's path made it edit a copy that never reached the patch, exit 0)."""
+    data = recipe_data(fake_repos)
+    step = next(s for s in data["steps"] if s.get("kind") in ("adaptation", "fix"))
+    step["path"] = spelling
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(write_recipe(tmp_path / "r.yaml", data))
+    assert exc.value.exit_code == 5 and "not in normal form" in exc.value.message
+
+
 def test_every_step_path_is_checked(tmp_path, fake_repos):
     data = recipe_data(fake_repos)
     for s in data["steps"]:
