@@ -19,6 +19,7 @@ from pathlib import Path
 from .errors import CheckMismatch
 from .manifest_md import render_markdown
 from .tree import copy_tree
+from .tree_digest import lock_fields as tree_lock_fields
 from .verify import apply_patch
 
 
@@ -28,7 +29,10 @@ def canonical_json(data) -> bytes:
 
 
 def lock_data(build) -> dict:
-    """The committed lock: pins, recipe digest, patch and manifest sha256."""
+    """The committed lock: pins, recipe digest, patch and manifest sha256, tree digests.
+
+    ``base_tree_sha256`` / ``patched_tree_sha256`` / ``tree_files``: see ``backport.tree_digest``.
+    """
     m = build.manifest
     return {
         "schema": 1,
@@ -37,6 +41,7 @@ def lock_data(build) -> dict:
         "patch": {"name": m["patch"]["name"], "sha256": m["patch"]["sha256"]},
         "manifest_sha256": hashlib.sha256(canonical_json(m)).hexdigest(),
         "date": m["date"],
+        **tree_lock_fields(build.base_tree, build.patch),
     }
 
 
