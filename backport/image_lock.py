@@ -93,8 +93,9 @@ BASE_PROVIDED = {
     "cuda": {"torch": "2.10.0a0", "torchvision": "", "transformer-engine": "", "transformer-engine-torch": "",
              "transformer-engine-cu12": "", "transformer-engine-cu13": ""},
 }
-#: CUDA runtime wheels (torch's PyPI dependencies): the CUDA base has them as system libraries.
-_CUDA_RUNTIME = re.compile(r"^(nvidia-[a-z0-9-]+-cu1[0-9]|cuda-toolkit)$")
+#: CUDA runtime wheels (torch's PyPI dependencies) and the CUDA Python bindings, both tied to a
+#: CUDA version: the base has CUDA 13.1 as system libraries, with its own bindings.
+_CUDA_RUNTIME = re.compile(r"^(nvidia-[a-z0-9-]+-cu1[0-9]|cuda-toolkit|cuda-bindings|cuda-python)$")
 #: Of those, the ones the lock keeps: Python packages, not the CUDA runtime.
 _CUDA_KEEP = frozenset({"nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-cu13"})
 
@@ -156,7 +157,7 @@ def render_lock(entries: Iterable[LockEntry], target: Optional[Target] = None) -
     target = target or TARGETS["cpu"]
     provided = sorted(BASE_PROVIDED[target.flavour])
     if target.flavour == "cuda":
-        provided.append("the CUDA runtime wheels (nvidia-*-cu12/-cu13)")
+        provided.append("the CUDA runtime wheels (nvidia-*-cu12/-cu13) and bindings (cuda-bindings)")
     out = [_HEADER.format(flavour=target.flavour, python=target.python, glibc=".".join(map(str, target.glibc)),
                           base=target.base, provided=", ".join(provided))]
     for entry in sorted(entries, key=lambda e: e.name):

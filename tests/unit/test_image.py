@@ -635,3 +635,26 @@ def test_rebuilt_layers_skip_from_and_global_arg():
              {"number": 3, "instruction": "COPY deps/ /opt/gdn/deps/", "cached": True},
              {"number": 4, "instruction": "COPY patch/ /opt/gdn/patch/", "cached": False}]
     assert img.rebuilt_layers(steps) == ["COPY patch/ /opt/gdn/patch/"]
+
+
+def test_pull_failure_with_pull_given_does_not_say_add_pull(monkeypatch, capsys, inputs):
+    class _Client:
+        images = _FakeImages(set())
+        api = _FakeAPI([{"error": "dial tcp: lookup nvcr.io: no such host"}])
+
+        def info(self):
+            return {"DockerRootDir": str(inputs.tree), "Driver": "overlay2"}
+
+    monkeypatch.setattr(img, "docker_client", lambda *a, **k: _Client())
+    args = ["build", "--flavour", "cuda", "--tree", str(inputs.tree), "--patch", str(inputs.patch),
+            "--manifest", str(inputs.manifest), "--lock", str(inputs.lock), "--tree-lock", str(inputs.tree_lock),
+            "--min-free-gb", "0"]
+    with pytest.raises(SystemExit) as info:
+        image_cli.main(args)  # without --pull: the hint says to add it
+    assert info.value.code == 14 and "add --pull" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        image_cli.main(args + ["--pull"])
+    err = capsys.readouterr().err
+    assert info.value.code == 14
+    assert "cannot pull nvcr.io/nvidia/pytorch:25.12-py3" in err
+    assert "add --pull" not in err and "The pull itself failed" in err and "docker load" in err
