@@ -117,10 +117,21 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+#: Packages a flavour cannot hold at all (name -> why); never locked, and a requirement on one
+#: counts as met (the requiring package imports without it, or is named in docs/image.md).
+UNAVAILABLE = {
+    "cpu": {"torchvision": "PyPI's torchvision is built against CUDA torch and does not load with the cpu "
+                           "torch (torchvision::nms missing), which breaks `import transformers`; the cpu "
+                           "build is on download.pytorch.org only"},
+    "cuda": {},
+}
+
+
 def base_provided(flavour: str, name: str) -> bool:
-    """True when ``name`` comes with ``flavour``'s base image and is never locked."""
+    """True when ``name`` comes with ``flavour``'s base image (or cannot be installed there,
+    :data:`UNAVAILABLE`) and is never locked."""
     name = canonical(name)
-    if name in BASE_PROVIDED[flavour]:
+    if name in BASE_PROVIDED[flavour] or name in UNAVAILABLE[flavour]:
         return True
     return flavour == "cuda" and bool(_CUDA_RUNTIME.match(name)) and name not in _CUDA_KEEP
 
@@ -156,6 +167,7 @@ def render_lock(entries: Iterable[LockEntry], target: Optional[Target] = None) -
     """The lock text: sorted by name, hashes sorted, one continuation line per hash."""
     target = target or TARGETS["cpu"]
     provided = sorted(BASE_PROVIDED[target.flavour])
+    provided += [f"{n} (cannot be installed: {why})" for n, why in sorted(UNAVAILABLE[target.flavour].items())]
     if target.flavour == "cuda":
         provided.append("the CUDA runtime wheels (nvidia-*-cu12/-cu13) and bindings (cuda-bindings)")
     out = [_HEADER.format(flavour=target.flavour, python=target.python, glibc=".".join(map(str, target.glibc)),
@@ -305,20 +317,28 @@ def unmet_requirements(report: dict, target: Target, requested: Iterable[str] = 
     ``Requires-Dist`` is evaluated with the target's marker environment, with the extras that
     ``requested`` (requirement strings, e.g. from requirements.in) or other packages ask of it.
 
+    Also checks each package's ``Requires-Python`` against the target's Python.
+
     Returns:
-        ``"<package> needs <requirement> (<what is there>)"`` lines, sorted; empty when the
-        lock is a closed set.
+        ``"<package> needs <requirement> (<what is there>)"`` (or ``"... requires Python ..."``)
+        lines, sorted; empty when the lock is a closed set for the target.
     """
     from packaging.requirements import Requirement
     from packaging.version import Version
 
+    from packaging.specifiers import SpecifierSet
+
     have = {canonical(i["metadata"]["name"]): i["metadata"] for i in report.get("install", [])}
     provided = BASE_PROVIDED[target.flavour]
+    problems: set[str] = set()
+    for name, meta in have.items():
+        wants = meta.get("requires_python")
+        if wants and not SpecifierSet(wants).contains(f"{target.python}.0", prereleases=True):
+            problems.add(f"{name} {meta['version']} requires Python {wants} (the target has {target.python})")
     extras: dict[str, set] = {}
     for text in requested:
         req = Requirement(text)
         extras.setdefault(canonical(req.name), set()).update(req.extras)
-    problems: set[str] = set()
     changed = True
     while changed:  # extras asked by a package's own requirements can enable more requirements
         changed = False
@@ -369,7 +389,10 @@ def check_lock(lock_path: Path, target: Target, requirements_in: Optional[Path] 
     python = python or sys.executable
     with tempfile.TemporaryDirectory(prefix="gdn-lock-check-") as tmp:
         report = Path(tmp) / "report.json"
+        # --ignore-requires-python: pip checks Requires-Python against the interpreter it runs on,
+        # not --python-version; unmet_requirements checks it against the target instead.
         _pip(python, ["install", "--dry-run", "--ignore-installed", "--no-deps", "--require-hashes", "--quiet",
+                      "--ignore-requires-python",
                       "--report", str(report), "--target", str(Path(tmp) / "target"),
                       *_target_flags(target, only_binary=False), "-r", str(lock_path)])
         data = json.loads(report.read_text())
