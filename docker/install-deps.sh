@@ -38,8 +38,12 @@ case "$TORCH_FROM" in
   *) die "TORCH_FROM must be 'base' or 'wheel', not '$TORCH_FROM'" ;;
 esac
 
-say "pip install --require-hashes $* -r requirements.lock"
-"$VENV/bin/python" -m pip install --require-hashes "$@" -r "$DEPS/requirements.lock"
+# --no-deps: the lock is the whole closure (`tools/image check-lock` proves it; pip check below
+# re-checks what was installed), so pip installs exactly it and resolves nothing, and a
+# requirement on what the base provides (or on torchvision, absent from the cpu flavour) does
+# not make pip fetch an unpinned copy.
+say "pip install --require-hashes --no-deps $* -r requirements.lock"
+"$VENV/bin/python" -m pip install --require-hashes --no-deps "$@" -r "$DEPS/requirements.lock"
 
 if [ "$TORCH_FROM" = wheel ]; then
   # The cpu flavour cannot hold torchvision (PyPI's is built against CUDA torch and breaks

@@ -45,7 +45,8 @@ def test_targets_match_the_bases():
     ("cuda", "cuda-pathfinder", False),
     ("cuda", "nvidia-cutlass-dsl-libs-cu13", False),  # a Python package, not the CUDA runtime
     ("cuda", "nvidia-modelopt", False), ("cuda", "nvidia-resiliency-ext", False), ("cuda", "triton", False),
-    ("cpu", "torch", True), ("cpu", "torchvision", False), ("cpu", "nvidia-cudnn-cu12", False),
+    ("cpu", "torch", True), ("cpu", "torchvision", True),  # UNAVAILABLE: no cpu build on PyPI
+    ("cpu", "nvidia-cudnn-cu12", False),
 ])
 def test_what_the_base_provides(flavour, name, provided):
     assert base_provided(flavour, name) is provided
@@ -201,3 +202,11 @@ def test_cuda_and_cpu_share_every_dockerfile_stage(tmp_path):
     args = {f: img.build_args(img.FLAVOURS[f], pre) for f in ("cpu", "cuda")}
     assert sorted(k for k in args["cpu"] if args["cpu"][k] != args["cuda"][k]) == [
         "BASE_IMAGE", "GDN_FLAVOUR", "TORCH_FROM"]
+
+
+def test_unmet_requirements_checks_requires_python_against_the_target():
+    report = {"install": [dict(_item("av", "19.0.2"), metadata={"name": "av", "version": "19.0.2",
+                                                                "requires_python": ">=3.12"})]}
+    assert unmet_requirements(report, TARGETS["cuda"]) == []
+    assert unmet_requirements(report, TARGETS["cpu"]) == [
+        "av 19.0.2 requires Python >=3.12 (the target has 3.11)"]
