@@ -5,7 +5,8 @@
 #
 # Build context (staged by backport/image.py into build/image/context-<flavour>/):
 #   Dockerfile
-#   deps/requirements.lock   hash-pinned Python packages (docker/requirements.lock)
+#   deps/requirements.lock   hash-pinned Python packages of the flavour
+#                            (docker/requirements-cpu.lock or docker/requirements-cuda.lock)
 #   deps/torch-cpu.lock      hash-pinned cpu torch wheel (cpu flavour only)
 #   deps/wheels/             the cpu torch wheel (cpu flavour), else empty
 #   deps/install-deps.sh     makes /opt/gdn/venv
@@ -13,9 +14,12 @@
 #                            used by pip in this stage only, never in the image
 #   tree/megatron/           pristine assembled tree (build/tree/base/megatron)
 #   app/tests/image/         the image regression suite
-#   app/bin/                 apply-patch.sh, capability_check.py, run-suite.sh
+#   app/bin/                 apply-patch.sh, capability_check.py, run-suite.sh,
+#                            tree_digest.py (backport/tree_digest.py, stdlib only)
 #   patch/megatron.patch     patches/latest/megatron.patch
 #   patch/manifest.json      patches/latest/manifest.json
+#   patch/trees.json         the tree digests of manifests/lock.json (base_tree_sha256,
+#                            patched_tree_sha256, tree_files)
 #
 # Layer order: dependencies, then the pristine tree and the suite, then the patch,
 # so a changed patch rebuilds only `COPY patch/`, the patch step, the final tree
@@ -40,9 +44,11 @@ RUN sh /opt/gdn/deps/install-deps.sh "${TORCH_FROM}"
 LABEL io.gdn.stage="deps"
 
 # ---------------------------------------------------------------------------
-# src: the pristine tree, the suite and scripts, then the patch, checked against
-# the manifest's sha256 and applied with zero fuzz, a conflict-marker scan and a
-# byte-compile. Uses the base image's python3 (the venv's interpreter).
+# src: the pristine tree, the suite and scripts, then the patch. apply-patch.sh
+# checks the pristine tree's digest against the lock's (exit 13 names the first
+# differing file), the patch against the manifest's sha256, applies it with zero
+# fuzz and no offset, checks the patched tree's digest against the lock's, then
+# scans for conflict markers and byte-compiles. Uses the base image's python3.
 FROM ${BASE_IMAGE} AS src
 COPY tree/ /opt/gdn/base/
 COPY app/ /opt/gdn/

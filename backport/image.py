@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from . import tree_digest as td
 from .errors import ImageError
 from .image_lock import parse_lock
 
@@ -87,12 +88,32 @@ class InputError(ImageError):
     default_hint = "Run `tools/backport --upstream 5139086e` to write the tree and patch, then `make image`."
 
 
+class TreeDrift(InputError):
+    """The pristine or patched tree is not the one ``manifests/lock.json`` records (exit 13).
+
+    Raised before a build (the context's pristine tree), from a build step (``base-tree``,
+    ``patched-tree``, or a hunk that applies only at an offset), and by the gate (the digest
+    computed inside the image). The message names the first differing file.
+    """
+
+    default_hint = ("Rebuild the trees and the patch with `tools/backport --upstream 5139086e` "
+                    "(it rewrites build/tree/ and patches/latest/), then `make image`. If the lock is the "
+                    "stale one, regenerate it the same way.")
+
+
 class BaseImageMissing(ImageError):
     """The base image is not local and cannot be pulled (no registry reachable)."""
 
     exit_code = 14
     default_hint = ("Where a registry is reachable, add --pull (`make image IMAGE_ARGS=--pull`); "
                     "elsewhere load the base first (`docker load`), or build the cpu flavour: "
+                    "`make image IMAGE_FLAVOUR=cpu`.")
+
+
+#: Hint of a pull that failed although --pull was given (the default hint says to add it).
+PULL_FAILED_HINT = ("The pull itself failed: check that this machine reaches the registry (for nvcr.io also "
+                    "`docker login nvcr.io`) and that the tag exists, then run the same command again; or load "
+                    "the base from a file (`docker load -i FILE`), or build the cpu flavour: "
                     "`make image IMAGE_FLAVOUR=cpu`.")
 
 
@@ -151,6 +172,16 @@ FLAVOURS = {
 }
 
 
+def flavour_lock(flavour: str) -> Path:
+    """``docker/requirements-<flavour>.lock``: the hash-pinned packages of that flavour's image.
+
+    cpu: resolved for CPython 3.11 on Debian bookworm (glibc 2.36) next to the cpu torch wheel;
+    cuda: resolved for CPython 3.12 on the NGC base (Ubuntu 24.04, glibc 2.39), without what that
+    base provides (``backport.image_lock.BASE_PROVIDED``).
+    """
+    return REPO_ROOT / "docker" / f"requirements-{flavour}.lock"
+
+
 @dataclass(frozen=True)
 class Inputs:
     """Paths the build reads; defaults are the repo's (see docs/contract.md)."""
@@ -161,9 +192,12 @@ class Inputs:
     tests: Path = REPO_ROOT / "tests" / "image"
     dockerfile: Path = REPO_ROOT / "Dockerfile"
     docker_dir: Path = REPO_ROOT / "docker"
-    lock: Path = REPO_ROOT / "docker" / "requirements.lock"
+    #: Requirements lock of the flavour (:func:`flavour_lock`); the cpu one by default.
+    lock: Path = REPO_ROOT / "docker" / "requirements-cpu.lock"
     torch_lock: Path = REPO_ROOT / "docker" / "torch-cpu.lock"
     torch_wheel: Path = CPU_TORCH_WHEEL
+    #: The committed lock of the backport (tree digests: base_tree_sha256, patched_tree_sha256).
+    tree_lock: Path = REPO_ROOT / "manifests" / "lock.json"
 
 
 def sha256_file(path: Path) -> str:
@@ -174,25 +208,39 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _ignored(name: str) -> bool:
-    return name in ("__pycache__", ".pytest_cache") or name.endswith((".pyc", ".pyo"))
+def tree_digest(parent: Path) -> str:
+    """sha256 of ``parent/megatron`` as the lock records it (:func:`backport.tree_digest.tree_digest`)."""
+    return td.tree_digest(parent)
 
 
-def tree_digest(root: Path) -> str:
-    """sha256 over the sorted (path, file sha256, mode) of ``root``; caches ignored."""
-    h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not _ignored(d))
-        for name in sorted(filenames):
-            if _ignored(name):
-                continue
-            p = Path(dirpath) / name
-            rel = p.relative_to(root).as_posix()
-            if p.is_symlink():
-                h.update(f"L {rel} {os.readlink(p)}\n".encode())
-            else:
-                h.update(f"F {rel} {sha256_file(p)} {p.stat().st_mode & 0o111 and 'x' or '-'}\n".encode())
-    return h.hexdigest()
+TREE_KEYS = ("base_tree_sha256", "patched_tree_sha256", "tree_files")
+
+
+def read_tree_lock(path: Path) -> dict:
+    """The tree fields of ``manifests/lock.json`` (``base_tree_sha256``, ``patched_tree_sha256``,
+    ``tree_files``). Raises :class:`InputError` when the lock is missing, not JSON, or has none."""
+    try:
+        lock = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise InputError(f"{path} is missing: the build checks the trees against its digests",
+                         "Run `tools/backport --upstream 5139086e` (it writes the lock), then `make image`.") from exc
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path} is not JSON: {exc}",
+                         "Restore it with `git checkout manifests/lock.json`, then `make image`.") from exc
+    missing = [k for k in TREE_KEYS if not lock.get(k)]
+    if missing:
+        raise InputError(f"{path} has no {', '.join(missing)}: it predates the tree digests",
+                         "Regenerate it with `tools/backport --upstream 5139086e`, then `make image`.")
+    return {k: lock[k] for k in TREE_KEYS}
+
+
+def check_tree(parent: Path, trees: dict, which: str = "base") -> dict:
+    """Check ``parent/megatron`` against the lock's ``which`` tree; raises :class:`TreeDrift`."""
+    result = td.check_against_lock(parent, trees, which)
+    if not result["ok"]:
+        what = "pristine" if which == "base" else "patched"
+        raise TreeDrift(f"{td.describe(result, what)} ({parent / 'megatron'})")
+    return result
 
 
 def torch_lock_hashes(text: str) -> dict[str, set[str]]:
@@ -225,10 +273,20 @@ class Preflight:
     pins: dict
     lock_pins: dict
     hunks: int
+    #: The tree fields of manifests/lock.json (staged as patch/trees.json for the build).
+    trees: dict = field(default_factory=dict)
 
 
 def preflight(inputs: Inputs, flavour: Flavour) -> Preflight:
-    """Check the inputs before touching Docker. Raises :class:`InputError`."""
+    """Check the inputs before touching Docker.
+
+    The pristine tree must have the lock's ``base_tree_sha256`` (the patched tree's digest is
+    checked inside the build, after the patch is applied).
+
+    Raises:
+        InputError: an input is missing or disagrees with another.
+        TreeDrift: the pristine tree is not the lock's; names the first differing file.
+    """
     missing = [str(p) for p in (inputs.tree / "megatron", inputs.patch, inputs.manifest)
                if not p.exists()]
     if missing:
@@ -262,16 +320,19 @@ def preflight(inputs: Inputs, flavour: Flavour) -> Preflight:
         if actual not in hashes[wheel.name]:
             raise InputError(f"{wheel} has sha256 {actual[:12]}, not the one in {inputs.torch_lock}",
                              "Use the exact wheel the lock names (a different build is refused).")
+    trees = read_tree_lock(inputs.tree_lock)
+    base = check_tree(inputs.tree, trees, "base")
     text = inputs.patch.read_text(encoding="utf-8", errors="replace")
     return Preflight(
         patch_sha256=patch_sha,
         manifest_sha256=sha256_file(inputs.manifest),
         lock_sha256=sha256_file(inputs.lock),
-        tree_sha256=tree_digest(inputs.tree / "megatron"),
+        tree_sha256=base["sha256"],
         patch_name=manifest.get("patch", {}).get("name", inputs.patch.name),
         pins=dict(manifest.get("pins", {})),
         lock_pins=lock_pins,
         hunks=sum(1 for line in text.splitlines() if line.startswith("@@ ")),
+        trees=trees,
     )
 
 
@@ -420,6 +481,8 @@ def image_tags(flavour: Flavour, pre: Preflight) -> list[str]:
 
 CONTEXT_SCRIPTS = {"app/bin": ("apply-patch.sh", "capability_check.py", "run-suite.sh"),
                    "deps": ("install-deps.sh",)}
+#: The one digest implementation, copied into the image (standard library only).
+TREE_DIGEST_SCRIPT = Path(td.__file__)
 
 
 def _copy(src: Path, dest: Path) -> None:
@@ -449,13 +512,16 @@ def host_ca_bundle() -> Optional[Path]:
     return None
 
 
-def stage_context(inputs: Inputs, flavour: Flavour, dest: Path, ca_bundle: Optional[Path] = None) -> Path:
+def stage_context(inputs: Inputs, flavour: Flavour, dest: Path, ca_bundle: Optional[Path] = None,
+                  trees: Optional[dict] = None) -> Path:
     """Write the build context to ``dest`` (replaced); returns ``dest``.
 
     Layout (the Dockerfile's header lists it): Dockerfile, deps/ (locks, install
     script, wheels/, optional ca-bundle.crt), tree/megatron/, app/ (tests/image/,
-    bin/), patch/ (patch, manifest).
+    bin/ with tree_digest.py), patch/ (patch, manifest, trees.json: the lock's tree fields,
+    ``trees`` or read from ``inputs.tree_lock``).
     """
+    trees = trees if trees is not None else read_tree_lock(inputs.tree_lock)
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
@@ -471,10 +537,12 @@ def stage_context(inputs: Inputs, flavour: Flavour, dest: Path, ca_bundle: Optio
     for sub, names in CONTEXT_SCRIPTS.items():
         for name in names:
             _copy(inputs.docker_dir / name, dest / sub / name)
+    _copy(TREE_DIGEST_SCRIPT, dest / "app" / "bin" / "tree_digest.py")
     shutil.copytree(inputs.tree / "megatron", dest / "tree" / "megatron", symlinks=True, ignore=ignore)
     shutil.copytree(inputs.tests, dest / "app" / "tests" / "image", symlinks=True, ignore=ignore)
     _copy(inputs.patch, dest / "patch" / "megatron.patch")
     _copy(inputs.manifest, dest / "patch" / "manifest.json")
+    (dest / "patch" / "trees.json").write_text(json.dumps(trees, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return dest
 
 
@@ -681,6 +749,10 @@ class BuildTracker:
         return f"{step.number} ({instr[:60]})"
 
 
+#: Steps of docker/apply-patch.sh that compare a tree with the lock (a failure is a TreeDrift).
+TREE_STEPS = ("base-tree", "patched-tree")
+
+
 def classify_build_error(tracker: BuildTracker, base_image: str) -> ImageError:
     """Map a failed build to the right error (disk, base image, or a named step)."""
     text = "\n".join(list(tracker.tail) + [tracker.error or ""])
@@ -696,6 +768,9 @@ def classify_build_error(tracker: BuildTracker, base_image: str) -> ImageError:
     own = [t.split("] ", 1)[1] for t in tracker.tail if t.startswith("error: [") and "] " in t]
     if own:  # the script's own message says more than "returned a non-zero code"
         detail = own[-1]
+    if step in TREE_STEPS or (step == "patch-apply" and "offset or fuzz" in detail):
+        return TreeDrift(f"image build step {step}: {detail}\n--- last {min(10, len(tracker.tail))} log lines:\n"
+                         + "\n".join(f"  | {t}" for t in list(tracker.tail)[-10:]))
     if step.startswith("capability"):
         failed = [t for t in tracker.tail if "FAILED" in t]
         if failed:
@@ -844,17 +919,94 @@ def _read_from_container(container, path: str) -> Optional[bytes]:
         return f.read() if f else None
 
 
+def junit_cases(xml_text: str) -> dict:
+    """``{test id: "passed" | "failed" | "error" | "skipped"}`` from pytest's JUnit XML."""
+    out = {}
+    for case in ET.fromstring(xml_text).iter("testcase"):
+        kinds = {child.tag for child in case}
+        outcome = ("failed" if "failure" in kinds else "error" if "error" in kinds
+                   else "skipped" if "skipped" in kinds else "passed")
+        out[f"{case.get('classname', '')}::{case.get('name', '')}"] = outcome
+    return dict(sorted(out.items()))
+
+
+#: Suite modules whose tests the gate report lists one by one under ``checks``.
+LISTED_SUITE_MODULES = ("test_image_tree_drift", "test_image_bridge")
+#: Trees the gate digests inside the image: lock key -> folder holding megatron/.
+IMAGE_TREES = {"base": "/opt/gdn/base", "patched": "/opt/gdn/tree"}
+
+
+def image_tree_check(client, image_id: str, trees: dict) -> dict:
+    """Digest both trees inside the image (its own /opt/gdn/bin/tree_digest.py) and compare
+    them with the lock's ``trees`` (:func:`read_tree_lock`).
+
+    Returns ``{"base": result, "patched": result}``, each as :func:`backport.tree_digest.check`
+    returns it (``ok``, ``sha256``, ``want``, ``files``, ``first_difference``); a tree the
+    script could not digest has ``ok`` False and an ``error``.
+    """
+    import docker
+
+    script = " && ".join(f"python3 /opt/gdn/bin/tree_digest.py {path} --ids" for path in IMAGE_TREES.values())
+    try:
+        out = client.containers.run(image_id, ["sh", "-c", script], remove=True, network_mode="host",
+                                    stderr=True).decode(errors="replace")
+        seen = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    except (docker.errors.ContainerError, ValueError) as exc:
+        err = str(exc).splitlines()[-1][:300] if str(exc) else type(exc).__name__
+        return {which: {"ok": False, "error": f"tree_digest.py failed in the image: {err}"} for which in IMAGE_TREES}
+    results = {}
+    ids_by_tree = {"base": trees["tree_files"]["base"], "patched": td.patched_ids(trees["tree_files"])}
+    for which, got in zip(IMAGE_TREES, seen):
+        want = trees[f"{which}_tree_sha256"]
+        first = None if got["sha256"] == want else td.first_difference(ids_by_tree[which], got["ids"])
+        results[which] = {"ok": got["sha256"] == want, "sha256": got["sha256"], "want": want,
+                          "files": got["files"], "where": IMAGE_TREES[which],
+                          "first_difference": list(first) if first else None}
+    for which in IMAGE_TREES:
+        results.setdefault(which, {"ok": False, "error": "tree_digest.py printed no result"})
+    return results
+
+
+def tree_check_failure(check: dict) -> Optional[str]:
+    """One line naming the first tree of :func:`image_tree_check` that is not the lock's, else None."""
+    for which, result in check.items():
+        if result.get("ok"):
+            continue
+        what = "pristine" if which == "base" else "patched"
+        if "error" in result:
+            return f"the image's {what} tree: {result['error']}"
+        return f"in the image, {td.describe(result, what)} ({result['where']}/megatron)"
+    return None
+
+
 def run_gate(client, image_ref: str, gpus: Optional[bool] = None, on_line: Line = _quiet,
              pytest_args: Iterable[str] = (), timeout_s: int = 3600,
-             environment: Optional[dict] = None) -> dict:
+             environment: Optional[dict] = None, trees: Optional[dict] = None) -> dict:
     """Run the image's suite inside ``image_ref``; returns the report (never raises on test failures).
 
-    ``pytest_args`` are appended to the suite's command line and ``environment`` to the
-    container's (tests use both to feed deliberately broken runs).
+    First the trees: their digests, computed inside the image, must be the lock's ``trees``
+    (:func:`read_tree_lock`; None skips this check and the report says so); a drift refuses the
+    gate without running the suite. ``pytest_args`` are appended to the suite's command line and
+    ``environment`` to the container's (tests use both to feed deliberately broken runs).
     """
     import docker
 
     image = client.images.get(image_ref)
+    tree_check = image_tree_check(client, image.id, trees) if trees is not None else None
+    drift = tree_check_failure(tree_check) if tree_check else None
+    if drift:
+        on_line(f"error: [tree-digest] {drift}")
+        labels = image.labels or {}
+        return {"ok": False, "reason": drift, "tree_check": tree_check,
+                "image": {"id": image.id, "tags": sorted(image.tags), "flavour": labels.get("io.gdn.flavour")},
+                "checks": _tree_checks(tree_check), "suite": {"part": "not run", "passed": 0, "failed": 0,
+                                                              "errors": 0, "skipped": 0, "tests": 0,
+                                                              "failing": [], "exit_code": None},
+                "log_tail": [f"error: [tree-digest] {drift}"]}
+    if tree_check:
+        for which, result in tree_check.items():
+            on_line(f"==> [tree-digest] {which} tree in the image ({result['where']}): sha256 "
+                    f"{result['sha256'][:12]}, {result['files']} files, equals the lock's")
     use_gpus = host_has_gpus() if gpus is None else gpus
     device_requests = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if use_gpus else None
     out_dir = "/tmp/gdn-gate"
@@ -887,15 +1039,21 @@ def run_gate(client, image_ref: str, gpus: Optional[bool] = None, on_line: Line 
     seconds = round(time.monotonic() - t0, 1)
     labels = image.labels or {}
     cap = json.loads(capability) if capability else {}
+    cases = {}
     if junit is None:
         counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failing": []}
         ok, reason = False, f"the suite wrote no JUnit XML (pytest exited {exit_code})"
     else:
         counts = parse_junit(junit.decode(errors="replace"))
         ok, reason = gate_verdict(counts, exit_code)
+        cases = junit_cases(junit.decode(errors="replace"))
+    listed = [{"name": tid, "outcome": outcome} for tid, outcome in cases.items()
+              if any(mod in tid for mod in LISTED_SUITE_MODULES)]
     return {
         "ok": ok,
         "reason": reason,
+        "tree_check": tree_check if tree_check is not None else "skipped: no lock given",
+        "checks": _tree_checks(tree_check) + listed,
         "image": {"id": image.id, "tags": sorted(image.tags), "flavour": labels.get("io.gdn.flavour")},
         "pins": {k[len("io.gdn.pin."):]: v for k, v in sorted(labels.items()) if k.startswith("io.gdn.pin.")},
         "patch_sha256": labels.get("io.gdn.patch.sha256"),
@@ -909,10 +1067,23 @@ def run_gate(client, image_ref: str, gpus: Optional[bool] = None, on_line: Line 
     }
 
 
+def _tree_checks(tree_check: Optional[dict]) -> list:
+    if not tree_check:
+        return []
+    return [{"name": f"tree-digest::{which} ({result.get('where', IMAGE_TREES[which])}) == lock "
+                     f"{which}_tree_sha256", "outcome": "passed" if result.get("ok") else "failed"}
+            for which, result in tree_check.items()]
+
+
 def require_gate_ok(report: dict) -> None:
-    """Raise :class:`GateFailed` (log tail included) unless the report passed."""
+    """Raise :class:`GateFailed` (log tail included) unless the report passed.
+
+    Raises :class:`TreeDrift` (exit 13) when the image's trees are not the lock's.
+    """
     if report["ok"]:
         return
+    if isinstance(report.get("tree_check"), dict) and tree_check_failure(report["tree_check"]):
+        raise TreeDrift(f"image gate refused {report['image']['id'][:19]}: {report['reason']}")
     s = report["suite"]
     lines = [f"image gate refused {report['image']['id'][:19]}: {report['reason']}"]
     if s.get("failing"):

@@ -7,6 +7,7 @@ Exit codes: 0 ok; 1 unexpected; 2 usage; 9 a build step failed; 10 no Docker Eng
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -44,14 +45,15 @@ def stream_line(line: str) -> None:
         say(f"  {line}", "dim")
 
 
-def _inputs(tree, patch, manifest, lock, torch_wheel) -> img.Inputs:
+def _inputs(tree, patch, manifest, lock, torch_wheel, tree_lock=None, flavour=None) -> img.Inputs:
     base = img.Inputs()
     return img.Inputs(
         tree=Path(tree) if tree else base.tree,
         patch=Path(patch) if patch else base.patch,
         manifest=Path(manifest) if manifest else base.manifest,
-        lock=Path(lock) if lock else base.lock,
+        lock=Path(lock) if lock else img.flavour_lock(flavour) if flavour else base.lock,
         torch_wheel=Path(torch_wheel) if torch_wheel else base.torch_wheel,
+        tree_lock=Path(tree_lock) if tree_lock else base.tree_lock,
     )
 
 
@@ -63,7 +65,10 @@ def _build_options(f):
         click.option("--tree", type=click.Path(), help="Tree root holding megatron/ [build/tree/base]."),
         click.option("--patch", type=click.Path(), help="Patch [patches/latest/megatron.patch]."),
         click.option("--manifest", type=click.Path(), help="Manifest [patches/latest/manifest.json]."),
-        click.option("--lock", type=click.Path(), help="Requirements lock [docker/requirements.lock]."),
+        click.option("--lock", type=click.Path(),
+                     help="Requirements lock [docker/requirements-<flavour>.lock]."),
+        click.option("--tree-lock", type=click.Path(),
+                     help="Backport lock with the tree digests [manifests/lock.json]."),
         click.option("--torch-wheel", type=click.Path(), help=f"cpu torch wheel [{img.CPU_TORCH_WHEEL}]."),
         click.option("--no-cache", is_flag=True, help="Build every layer again."),
         click.option("--pull", is_flag=True, help="Pull a missing base image (cuda flavour; needs a registry)."),
@@ -80,13 +85,13 @@ def _build_options(f):
 
 
 def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_cache, min_free_gb,
-             context_dir, pull=False, client=None, tags=None) -> img.BuildResult:
+             context_dir, pull=False, client=None, tags=None, tree_lock=None) -> img.BuildResult:
     """Preflight, base image, context, build: the shared part of `build`, `gate`, `measure`."""
     fl = img.FLAVOURS[flavour]
-    inputs = _inputs(tree, patch, manifest, lock, torch_wheel)
+    inputs = _inputs(tree, patch, manifest, lock, torch_wheel, tree_lock, flavour)
     pre = img.preflight(inputs, fl)
     say(f"==> [preflight] patch {pre.patch_name} sha256 {pre.patch_sha256[:12]}, {pre.hunks} hunks; "
-        f"flavour {fl.name}", "cyan")
+        f"flavour {fl.name}; pristine tree sha256 {pre.tree_sha256[:12]} equals {inputs.tree_lock.name}'s", "cyan")
     client = client or img.docker_client()
     root, driver = img.docker_storage(client)
     free = img.check_disk(root, min_free_gb, driver)
@@ -103,10 +108,13 @@ def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_c
             raise img.BaseImageMissing(f"base image {base} is not on this machine (the build never pulls "
                                        f"unless asked with --pull)")
         say(f"==> [base-image] pulling {base}", "cyan")
-        img.pull_image(client, base, on_line=stream_line)
+        try:
+            img.pull_image(client, base, on_line=stream_line)
+        except img.BaseImageMissing as exc:  # --pull was given: the default hint's "add --pull" would mislead
+            raise img.BaseImageMissing(exc.message, img.PULL_FAILED_HINT) from exc
         base_record["pulled"] = True
     ctx = Path(context_dir) if context_dir else img.REPO_ROOT / "build" / "image" / f"context-{fl.name}"
-    img.stage_context(inputs, fl, ctx, img.host_ca_bundle())
+    img.stage_context(inputs, fl, ctx, img.host_ca_bundle(), trees=pre.trees)
     say(f"==> [context] staged {ctx}", "cyan")
     args = img.build_args(fl, pre, base)
     tags = tags or img.image_tags(fl, pre)
@@ -140,15 +148,20 @@ def build(json_out, **kw):
               help="GPU part of the suite: auto runs it when the host has GPUs.")
 @click.option("--report", type=click.Path(), default=str(RESULTS / "gate-report.json"), show_default=True)
 def gate(image_ref, gpus, report, **kw):
-    """Build the image, run its regression suite inside it, write a JSON report (`make gate`)."""
+    """Build the image, run its regression suite inside it, write a JSON report (`make gate`).
+
+    First checks the image's trees: their digests, computed inside the image, must be the
+    ones manifests/lock.json records (exit 13 names the first differing file).
+    """
     client = img.docker_client()
+    trees = img.read_tree_lock(Path(kw["tree_lock"]) if kw.get("tree_lock") else img.Inputs().tree_lock)
     build_record = None
     if image_ref is None:
         result = do_build(client=client, **kw)
         image_ref, build_record = result.image_id, result
     say(f"==> [suite] running the image's regression suite in {image_ref[:19]}", "cyan")
     data = img.run_gate(client, image_ref, gpus={"auto": None, "on": True, "off": False}[gpus],
-                        on_line=stream_line)
+                        on_line=stream_line, trees=trees)
     if build_record is not None:
         data["build"] = {"seconds": build_record.seconds, "cached_steps": build_record.cached_steps,
                          "steps": len(build_record.steps)}
@@ -172,15 +185,42 @@ def base(tag):
 
 
 @cli.command()
+@click.option("--flavour", type=click.Choice(["cpu", "cuda", "all"]), default="all", show_default=True)
 @click.option("--torch-wheel", type=click.Path(exists=True), default=str(img.CPU_TORCH_WHEEL), show_default=True)
-def lock(torch_wheel):
-    """Regenerate docker/requirements.lock from docker/requirements.in (needs PyPI)."""
-    from .image_lock import write_lock
+def lock(flavour, torch_wheel):
+    """Regenerate docker/requirements-<flavour>.lock from docker/requirements.in (needs PyPI).
+
+    cpu resolves on CPython 3.11 next to the cpu torch wheel; cuda on CPython 3.12 next to
+    torch 2.10.0 (the NGC base's), leaving out what that base provides.
+    """
+    from .image_lock import TARGETS, write_lock
 
     inputs = img.Inputs()
-    entries = write_lock(inputs.docker_dir / "requirements.in", Path(torch_wheel), inputs.lock)
-    say(f"==> [lock] {len(entries)} packages pinned with hashes in {inputs.lock}", "cyan")
-    click.echo(str(inputs.lock))
+    for name in (["cpu", "cuda"] if flavour == "all" else [flavour]):
+        path = img.flavour_lock(name)
+        entries = write_lock(inputs.docker_dir / "requirements.in", TARGETS[name], path, Path(torch_wheel))
+        say(f"==> [lock] {name}: {len(entries)} packages pinned with hashes in {path}", "cyan")
+        click.echo(str(path))
+
+
+@cli.command("check-lock")
+@click.option("--flavour", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@click.option("--lock", "lock_path", type=click.Path(exists=True), default=None,
+              help="Lock to check [docker/requirements-<flavour>.lock].")
+def check_lock(flavour, lock_path):
+    """Prove a lock installs on its flavour's Python and platform, without installing it (CI; needs PyPI).
+
+    pip's dry run with --require-hashes --no-deps for the target (cuda: CPython 3.12,
+    manylinux x86_64 up to glibc 2.39), then every declared dependency of every pin, markers
+    evaluated for the target, must be met by a pin or by what the base provides.
+    """
+    from .image_lock import TARGETS, check_lock as run_check
+
+    path = Path(lock_path) if lock_path else img.flavour_lock(flavour)
+    result = run_check(path, TARGETS[flavour], img.Inputs().docker_dir / "requirements.in")
+    say(f"==> [check-lock] {path.name}: {result['packages']} packages install on CPython {result['python']} "
+        f"({result['platforms']}) with their hashes; every declared dependency is met", "bold green")
+    click.echo(json.dumps(result, sort_keys=True))
 
 
 @cli.command()
@@ -200,7 +240,8 @@ def measure(out, **kw):
         kw["no_cache"] = True
         say("==> [measure] cold build (no layer cache)", "bold")
         cold = do_build(client=client, tags=[f"{img.IMAGE_REPO}-measure:cold"], **kw)
-        inputs = _inputs(kw["tree"], kw["patch"], kw["manifest"], kw["lock"], kw["torch_wheel"])
+        inputs = _inputs(kw["tree"], kw["patch"], kw["manifest"], kw["lock"], kw["torch_wheel"], kw["tree_lock"],
+                         kw["flavour"])
         probe = img.REPO_ROOT / "build" / "image" / "probe"
         probe.mkdir(parents=True, exist_ok=True)
         changed = img.one_line_change(inputs.patch.read_text(encoding="utf-8"))
@@ -208,7 +249,12 @@ def measure(out, **kw):
         manifest = json.loads(inputs.manifest.read_text(encoding="utf-8"))
         manifest.setdefault("patch", {})["sha256"] = img.sha256_file(probe / "megatron.patch")
         img.write_json(probe / "manifest.json", manifest)
-        kw.update(no_cache=False, patch=str(probe / "megatron.patch"), manifest=str(probe / "manifest.json"))
+        # The changed patch makes another patched tree: the probe's lock records its digest.
+        from backport.tree_digest import lock_fields
+
+        img.write_json(probe / "lock.json", lock_fields(inputs.tree, changed.encode()))
+        kw.update(no_cache=False, patch=str(probe / "megatron.patch"), manifest=str(probe / "manifest.json"),
+                  tree_lock=str(probe / "lock.json"))
         say("==> [measure] rebuild after a one-line patch change", "bold")
         rebuilt = do_build(client=client, tags=[f"{img.IMAGE_REPO}-measure:rebuild"], **kw)
     info = client.info()

@@ -1,43 +1,113 @@
-"""Resolve ``docker/requirements.in`` into the hash-pinned ``docker/requirements.lock``.
+"""Resolve ``docker/requirements.in`` into the hash-pinned ``docker/requirements-<flavour>.lock``,
+and check a lock without installing it.
 
-The image installs its Python packages with ``pip install --require-hashes``. This
-module writes that lock: it resolves the inputs once (CPython 3.11, linux x86_64,
-wheels only, next to the cpu torch wheel so the closure holds torch's own
-dependencies), then downloads every pinned wheel with ``pip download`` for each
-target Python (3.11 for the cpu flavour, 3.12 for the NGC base) and records the
-sha256 of the downloaded bytes. A hash that disagrees with the index's own digest
-is an error.
+The image installs its Python packages with ``pip install --require-hashes``. Each flavour has
+its own lock, resolved for the Python and C library of its base image (:data:`TARGETS`):
 
-Needs PyPI; nothing here runs in unit tests except the pure helpers
-(``parse_report``, ``render_lock``, ``parse_lock``).
+* ``cpu``: CPython 3.11 on Debian bookworm (glibc 2.36), next to the cpu torch wheel, so the
+  closure holds torch's own dependencies; torch itself comes from ``docker/torch-cpu.lock``.
+* ``cuda``: CPython 3.12 on the NGC PyTorch 25.12 base (Ubuntu 24.04, glibc 2.39), with
+  ``torch==2.10.0`` standing in for the base's ``2.10.0a0`` during resolution. What that base
+  already provides is left out of the lock (:data:`BASE_PROVIDED`).
+
+How "already provided by the CUDA base" is decided: the packages built against the base's own
+torch/CUDA (torch, torchvision, Transformer Engine) and the CUDA runtime wheels that torch on
+PyPI pulls in (``nvidia-*-cu12``/``-cu13``, ``cuda-toolkit``), which the base has as system
+libraries, are not locked: installing them again would shadow the base's CUDA build. Every
+other package is locked; the venv sees the base's site-packages (``--system-site-packages``),
+so pip skips a locked package the base already holds at the locked version (installed once) and
+installs the locked version into the venv where the base's differs (the lock is what runs).
+triton is the one deliberate exception: FLA 0.4.2 needs 3.6.0, so the lock pins it.
+
+Resolution runs pip's resolver (``install --dry-run --report``) on an interpreter of the
+target's Python version, because pip evaluates environment markers (``python_version >=
+"3.12"``) with the running interpreter, not with ``--python-version``. Packages PyPI has only as
+a source archive (:data:`SDIST_ONLY`, pure Python) are resolved through a wheel built locally
+from that archive; the lock pins the archive's sha256, and pip builds it in the image.
+
+:func:`check_lock` is what CI runs (``tools/image check-lock``): pip's dry run of the lock for
+the target platform with ``--require-hashes`` (every pin exists for that Python and platform,
+with a hash the lock lists), then a closure check on pip's report (every dependency each pinned
+package declares, markers evaluated for the target, is met by a pin or by :data:`BASE_PROVIDED`).
+
+Needs PyPI; the unit tests run only the pure helpers.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 from .errors import ImageError
 
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64")
-PYTHONS = ("3.11", "3.12")
 INDEX_URL = "https://pypi.org/simple"
-# Packages the lock never holds: torch comes from the base image or the cpu lock.
-EXCLUDED = frozenset({"torch"})
+
+
+@dataclass(frozen=True)
+class Target:
+    """A lock's target: Python version, highest manylinux glibc, the torch it resolves next to."""
+
+    flavour: str
+    python: str
+    glibc: tuple
+    torch: str  # a pip requirement for resolution only; never written to the lock
+    base: str
+
+    @property
+    def platforms(self) -> list:
+        """pip ``--platform`` tags, highest first (pip does not expand a manylinux tag itself)."""
+        major, minor = self.glibc
+        return ([f"manylinux_{major}_{m}_x86_64" for m in range(minor, 16, -1)]
+                + ["manylinux2014_x86_64", "linux_x86_64"])
+
+    @property
+    def environment(self) -> dict:
+        """PEP 508 marker environment of the target (for the closure check)."""
+        return {"python_version": self.python, "python_full_version": f"{self.python}.0",
+                "implementation_name": "cpython", "platform_python_implementation": "CPython",
+                "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+                "os_name": "posix", "platform_release": "", "platform_version": "", "extra": ""}
+
+
+TARGETS = {
+    "cpu": Target("cpu", "3.11", (2, 36), "{cpu_torch_wheel}", "gdn-base:bookworm (Debian 12, glibc 2.36)"),
+    "cuda": Target("cuda", "3.12", (2, 39), "torch==2.10.0",
+                   "nvcr.io/nvidia/pytorch:25.12-py3 (Ubuntu 24.04, glibc 2.39, torch 2.10.0a0)"),
+}
+
+#: What each flavour's base brings (name -> version, or "" where not recorded): never locked;
+#: the closure check counts a requirement on one as met. cuda: NGC PyTorch 25.12 release notes
+#: (torch 2.10.0a0+b4e4ee81d3, CUDA 13.1); its torchvision and Transformer Engine are built
+#: against that torch, so they are the base's too.
+BASE_PROVIDED = {
+    "cpu": {"torch": "2.13.0"},
+    "cuda": {"torch": "2.10.0a0", "torchvision": "", "transformer-engine": "", "transformer-engine-torch": "",
+             "transformer-engine-cu12": "", "transformer-engine-cu13": ""},
+}
+#: CUDA runtime wheels (torch's PyPI dependencies) and the CUDA Python bindings, both tied to a
+#: CUDA version: the base has CUDA 13.1 as system libraries, with its own bindings.
+_CUDA_RUNTIME = re.compile(r"^(nvidia-[a-z0-9-]+-cu1[0-9]|cuda-toolkit|cuda-bindings|cuda-python)$")
+#: Of those, the ones the lock keeps: Python packages, not the CUDA runtime.
+_CUDA_KEEP = frozenset({"nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-cu13"})
+
+#: Packages PyPI ships only as a source archive (pure Python): resolved through a locally built
+#: wheel, locked with the archive's sha256. hydra-core 1.3.2 / omegaconf 2.3 need antlr4 4.9.*.
+SDIST_ONLY = {"antlr4-python3-runtime": "4.9.3"}
 
 _HEADER = """\
-# Generated by `tools/image lock` from docker/requirements.in; do not edit by hand.
-# Every package of the closure, pinned with ==, with the sha256 of each wheel pip
-# may pick on linux x86_64 for CPython {pythons}. torch is not here: the CUDA base
-# image brings it, and the cpu flavour installs docker/torch-cpu.lock first.
+# Generated by `tools/image lock --flavour {flavour}` from docker/requirements.in; do not edit by hand.
+# Every package of the closure for the {flavour} image, pinned with ==, with the sha256 of each
+# file pip may pick for CPython {python} on linux x86_64 (manylinux up to glibc {glibc}).
+# Base: {base}. Not here, because the base brings it: {provided}.
 # The Dockerfile installs this file with `pip install --require-hashes`.
 """
 
@@ -45,6 +115,25 @@ _HEADER = """\
 def canonical(name: str) -> str:
     """PEP 503 normalised project name."""
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+#: Packages a flavour cannot hold at all (name -> why); never locked, and a requirement on one
+#: counts as met (the requiring package imports without it, or is named in docs/image.md).
+UNAVAILABLE = {
+    "cpu": {"torchvision": "PyPI's torchvision is built against CUDA torch and does not load with the cpu "
+                           "torch (torchvision::nms missing), which breaks `import transformers`; the cpu "
+                           "build is on download.pytorch.org only"},
+    "cuda": {},
+}
+
+
+def base_provided(flavour: str, name: str) -> bool:
+    """True when ``name`` comes with ``flavour``'s base image (or cannot be installed there,
+    :data:`UNAVAILABLE`) and is never locked."""
+    name = canonical(name)
+    if name in BASE_PROVIDED[flavour] or name in UNAVAILABLE[flavour]:
+        return True
+    return flavour == "cuda" and bool(_CUDA_RUNTIME.match(name)) and name not in _CUDA_KEEP
 
 
 @dataclass
@@ -56,28 +145,37 @@ class LockEntry:
     hashes: set[str] = field(default_factory=set)
 
 
-def parse_report(report: dict) -> dict[str, LockEntry]:
-    """Pins from a ``pip install --dry-run --report`` document, keyed by canonical name."""
+def parse_report(report: dict, flavour: str = "cpu") -> dict[str, LockEntry]:
+    """Pins from a ``pip install --dry-run --report`` document, keyed by canonical name.
+
+    Leaves out what ``flavour``'s base provides (:func:`base_provided`).
+    """
     entries: dict[str, LockEntry] = {}
     for item in report.get("install", []):
         meta = item["metadata"]
         name = canonical(meta["name"])
-        if name in EXCLUDED:
+        if base_provided(flavour, name):
             continue
         entry = entries.setdefault(name, LockEntry(name, meta["version"]))
         digest = item.get("download_info", {}).get("archive_info", {}).get("hashes", {})
-        if "sha256" in digest:
+        if "sha256" in digest and name not in SDIST_ONLY:  # a locally built wheel's hash is not PyPI's
             entry.hashes.add(digest["sha256"])
     return entries
 
 
-def render_lock(entries: Iterable[LockEntry], pythons: Iterable[str] = PYTHONS) -> str:
+def render_lock(entries: Iterable[LockEntry], target: Optional[Target] = None) -> str:
     """The lock text: sorted by name, hashes sorted, one continuation line per hash."""
-    out = [_HEADER.format(pythons=", ".join(pythons))]
+    target = target or TARGETS["cpu"]
+    provided = sorted(BASE_PROVIDED[target.flavour])
+    provided += [f"{n} (cannot be installed: {why})" for n, why in sorted(UNAVAILABLE[target.flavour].items())]
+    if target.flavour == "cuda":
+        provided.append("the CUDA runtime wheels (nvidia-*-cu12/-cu13) and bindings (cuda-bindings)")
+    out = [_HEADER.format(flavour=target.flavour, python=target.python, glibc=".".join(map(str, target.glibc)),
+                          base=target.base, provided=", ".join(provided))]
     for entry in sorted(entries, key=lambda e: e.name):
         if not entry.hashes:
             raise ImageError(f"lock: no hash for {entry.name}=={entry.version}",
-                             "Re-run `tools/image lock`; PyPI must list a wheel for it.")
+                             "Re-run `tools/image lock`; PyPI must list a file for it.")
         lines = [f"{entry.name}=={entry.version}"]
         lines += [f"--hash=sha256:{h}" for h in sorted(entry.hashes)]
         out.append(" \\\n    ".join(lines) + "\n")
@@ -106,66 +204,205 @@ def parse_lock(text: str) -> dict[str, LockEntry]:
     return entries
 
 
-def _pip(args: list[str]) -> None:
-    cmd = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", *args]
+# --------------------------------------------------------------------------- pip
+
+def find_python(version: str) -> str:
+    """An interpreter of CPython ``version`` (``GDN_PYTHON_<major>_<minor>``, ``pythonX.Y`` on PATH,
+    or a pyenv version). Raises :class:`ImageError` when none is found."""
+    env = os.environ.get(f"GDN_PYTHON_{version.replace('.', '_')}")
+    if env:
+        return env
+    if f"{sys.version_info[0]}.{sys.version_info[1]}" == version:
+        return sys.executable
+    found = shutil.which(f"python{version}")
+    if found:
+        return found
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    for candidate in sorted(pyenv.glob(f"{version}.*"), reverse=True):
+        if (candidate / "bin" / "python").exists():
+            return str(candidate / "bin" / "python")
+    raise ImageError(f"lock: no CPython {version} interpreter found (pip evaluates environment markers with the "
+                     "interpreter it runs on)",
+                     f"Install python{version}, or point GDN_PYTHON_{version.replace('.', '_')} at one, "
+                     "then run the same command again.")
+
+
+def _pip(python: str, args: list[str]) -> str:
+    cmd = [python, "-m", "pip", "--isolated", "--disable-pip-version-check", *args]
     result = subprocess.run(cmd, capture_output=True, encoding="utf-8")
     if result.returncode != 0:
-        tail = "\n".join((result.stdout + result.stderr).splitlines()[-20:])
+        tail = "\n".join((result.stdout + result.stderr).splitlines()[-25:])
         raise ImageError(f"lock: `pip {args[0]}` failed:\n{tail}",
-                         "Check that PyPI is reachable, then run `tools/image lock` again.")
+                         "Check that PyPI is reachable and the pins exist for the target, then run the "
+                         "same command again.")
+    return result.stdout
 
 
-def _target_flags(python: str) -> list[str]:
-    flags = ["--only-binary=:all:", "--implementation", "cp", "--python-version", python,
-             "--index-url", INDEX_URL]
-    for platform in PLATFORMS:
+def _target_flags(target: Target, only_binary: bool = True) -> list[str]:
+    flags = ["--implementation", "cp", "--python-version", target.python, "--index-url", INDEX_URL]
+    if only_binary:
+        flags.insert(0, "--only-binary=:all:")
+    for platform in target.platforms:
         flags += ["--platform", platform]
     return flags
 
 
-def resolve(requirements_in: Path, torch_wheel: Path, work: Path) -> dict[str, LockEntry]:
-    """Resolve the inputs for CPython 3.11 next to ``torch_wheel``; returns the pins."""
+def _sdist_wheels(python: str, work: Path) -> Path:
+    """Build a wheel of each :data:`SDIST_ONLY` package into ``work/sdist-wheels`` (resolution only)."""
+    dest = work / "sdist-wheels"
+    dest.mkdir(parents=True, exist_ok=True)
+    _pip(python, ["wheel", "--no-deps", "--quiet", "--index-url", INDEX_URL, "-w", str(dest),
+                  *[f"{n}=={v}" for n, v in sorted(SDIST_ONLY.items())]])
+    return dest
+
+
+def resolve(requirements_in: Path, target: Target, work: Path, torch_wheel: Optional[Path] = None) -> dict:
+    """Resolve the inputs for ``target`` on an interpreter of its Python; returns the entries."""
+    python = find_python(target.python)
+    torch = str(torch_wheel) if target.flavour == "cpu" else target.torch
     report = work / "report.json"
-    _pip(["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-          "--target", str(work / "target"), *_target_flags("3.11"),
-          "-r", str(requirements_in), str(torch_wheel)])
-    return parse_report(json.loads(report.read_text(encoding="utf-8")))
+    _pip(python, ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+                  "--target", str(work / "target"), "--find-links", str(_sdist_wheels(python, work)),
+                  *_target_flags(target), "-r", str(requirements_in), torch])
+    return parse_report(json.loads(report.read_text(encoding="utf-8")), target.flavour)
 
 
-def download_hashes(entries: dict[str, LockEntry], pythons: Iterable[str], work: Path) -> None:
-    """Download every pinned wheel for each Python and add the sha256 of its bytes."""
+def download_hashes(entries: dict[str, LockEntry], target: Target, work: Path) -> None:
+    """Download every pinned file for the target and record the sha256 of its bytes."""
+    python = find_python(target.python)
     pins = work / "pins.txt"
-    pins.write_text("".join(f"{e.name}=={e.version}\n" for e in entries.values()), encoding="utf-8")
+    pins.write_text("".join(f"{e.name}=={e.version}\n" for e in entries.values() if e.name not in SDIST_ONLY),
+                    encoding="utf-8")
     index_hashes = {name: set(e.hashes) for name, e in entries.items()}
     for entry in entries.values():
         entry.hashes.clear()
-    for python in pythons:
-        dest = work / f"wheels-{python}"
-        _pip(["download", "--no-deps", "--quiet", "--dest", str(dest), *_target_flags(python),
-              "-r", str(pins)])
-        for wheel in sorted(dest.glob("*.whl")):
-            name = canonical(wheel.name.split("-", 1)[0])
-            if name not in entries:
-                raise ImageError(f"lock: pip downloaded {wheel.name}, which is not pinned",
-                                 "Report this; the resolver and the download disagree.")
-            entries[name].hashes.add(hashlib.sha256(wheel.read_bytes()).hexdigest())
+    dest = work / f"files-{target.flavour}"
+    _pip(python, ["download", "--no-deps", "--quiet", "--dest", str(dest), *_target_flags(target), "-r", str(pins)])
+    sdists = [f"{n}=={entries[n].version}" for n in SDIST_ONLY if n in entries]
+    if sdists:
+        _pip(python, ["download", "--no-deps", "--no-binary=:all:", "--quiet", "--dest", str(dest),
+                      "--index-url", INDEX_URL, *sdists])
+    for path in sorted(dest.iterdir()):
+        name = canonical(re.split(r"-\d", path.name, 1)[0])
+        if name not in entries:
+            raise ImageError(f"lock: pip downloaded {path.name}, which is not pinned",
+                             "Report this; the resolver and the download disagree.")
+        entries[name].hashes.add(hashlib.sha256(path.read_bytes()).hexdigest())
     for name, expected in index_hashes.items():
         if expected and not expected & entries[name].hashes:
             raise ImageError(f"lock: downloaded {name} does not match the index's sha256",
                              "Re-run `tools/image lock`; a mismatch twice means a bad mirror.")
     missing = sorted(n for n, e in entries.items() if not e.hashes)
     if missing:
-        raise ImageError(f"lock: no wheel downloaded for {', '.join(missing)}",
-                         "Pin a version that ships wheels for every target Python.")
+        raise ImageError(f"lock: nothing downloaded for {', '.join(missing)}",
+                         "Pin a version that ships a file for the target Python and platform.")
 
 
-def write_lock(requirements_in: Path, torch_wheel: Path, lock_path: Path,
-               pythons: Iterable[str] = PYTHONS) -> dict[str, LockEntry]:
-    """Resolve, download, hash and write ``lock_path``; returns the entries."""
-    pythons = tuple(pythons)
+def write_lock(requirements_in: Path, target: Target, lock_path: Path,
+               torch_wheel: Optional[Path] = None) -> dict[str, LockEntry]:
+    """Resolve, download, hash and write ``lock_path`` for ``target``; returns the entries."""
     with tempfile.TemporaryDirectory(prefix="gdn-lock-") as tmp:
         work = Path(tmp)
-        entries = resolve(requirements_in, torch_wheel, work)
-        download_hashes(entries, pythons, work)
-    lock_path.write_text(render_lock(entries.values(), pythons), encoding="utf-8")
+        entries = resolve(requirements_in, target, work, torch_wheel)
+        download_hashes(entries, target, work)
+    lock_path.write_text(render_lock(entries.values(), target), encoding="utf-8")
     return entries
+
+
+# --------------------------------------------------------------------------- check
+
+def unmet_requirements(report: dict, target: Target, requested: Iterable[str] = ()) -> list[str]:
+    """Dependencies declared by the packages of a pip report that nothing in it (or the base) meets.
+
+    ``report``: pip's ``--report`` of a ``--no-deps`` dry run of the lock. Each package's
+    ``Requires-Dist`` is evaluated with the target's marker environment, with the extras that
+    ``requested`` (requirement strings, e.g. from requirements.in) or other packages ask of it.
+
+    Also checks each package's ``Requires-Python`` against the target's Python.
+
+    Returns:
+        ``"<package> needs <requirement> (<what is there>)"`` (or ``"... requires Python ..."``)
+        lines, sorted; empty when the lock is a closed set for the target.
+    """
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from packaging.specifiers import SpecifierSet
+
+    have = {canonical(i["metadata"]["name"]): i["metadata"] for i in report.get("install", [])}
+    provided = BASE_PROVIDED[target.flavour]
+    problems: set[str] = set()
+    for name, meta in have.items():
+        wants = meta.get("requires_python")
+        if wants and not SpecifierSet(wants).contains(f"{target.python}.0", prereleases=True):
+            problems.add(f"{name} {meta['version']} requires Python {wants} (the target has {target.python})")
+    extras: dict[str, set] = {}
+    for text in requested:
+        req = Requirement(text)
+        extras.setdefault(canonical(req.name), set()).update(req.extras)
+    changed = True
+    while changed:  # extras asked by a package's own requirements can enable more requirements
+        changed = False
+        for name, meta in have.items():
+            for text in meta.get("requires_dist") or []:
+                req = Requirement(text)
+                asked = extras.get(name, set()) | {""}
+                env = dict(target.environment)
+                if req.marker and not any(req.marker.evaluate({**env, "extra": e}) for e in asked):
+                    continue
+                dep = canonical(req.name)
+                before = len(extras.get(dep, set()))
+                extras.setdefault(dep, set()).update(req.extras)
+                changed |= len(extras[dep]) != before
+                if dep in have:
+                    if not req.specifier.contains(Version(have[dep]["version"]), prereleases=True):
+                        problems.add(f"{name} needs {req} (the lock has {have[dep]['version']})")
+                elif base_provided(target.flavour, dep):
+                    version = provided.get(dep, "")
+                    if version and not req.specifier.contains(Version(version), prereleases=True):
+                        problems.add(f"{name} needs {req} (the base has {version})")
+                else:
+                    problems.add(f"{name} needs {req} (not in the lock, not in the base)")
+    return sorted(problems)
+
+
+def requested_requirements(requirements_in: Path) -> list[str]:
+    """The requirement lines of ``requirements_in`` (comments and blank lines dropped)."""
+    out = []
+    for raw in requirements_in.read_text(encoding="utf-8").splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            out.append(line)
+    return out
+
+
+def check_lock(lock_path: Path, target: Target, requirements_in: Optional[Path] = None,
+               python: Optional[str] = None) -> dict:
+    """Prove that ``lock_path`` installs for ``target`` without installing it (CI).
+
+    1. pip's dry run, ``--no-deps --require-hashes`` for the target's Python and platform: every
+       pin has a file for it whose sha256 the lock lists.
+    2. :func:`unmet_requirements` on pip's report: the lock plus the base is a closed set.
+
+    Returns ``{"flavour", "packages", "python", "platforms", "unmet"}``; raises
+    :class:`ImageError` when pip refuses the lock or a requirement is unmet.
+    """
+    python = python or sys.executable
+    with tempfile.TemporaryDirectory(prefix="gdn-lock-check-") as tmp:
+        report = Path(tmp) / "report.json"
+        # --ignore-requires-python: pip checks Requires-Python against the interpreter it runs on,
+        # not --python-version; unmet_requirements checks it against the target instead.
+        _pip(python, ["install", "--dry-run", "--ignore-installed", "--no-deps", "--require-hashes", "--quiet",
+                      "--ignore-requires-python",
+                      "--report", str(report), "--target", str(Path(tmp) / "target"),
+                      *_target_flags(target, only_binary=False), "-r", str(lock_path)])
+        data = json.loads(report.read_text(encoding="utf-8"))
+    requested = requested_requirements(requirements_in) if requirements_in else []
+    unmet = unmet_requirements(data, target, requested)
+    result = {"flavour": target.flavour, "packages": len(data.get("install", [])), "python": target.python,
+              "platforms": f"{target.platforms[0]} .. {target.platforms[-1]}", "unmet": unmet}
+    if unmet:
+        raise ImageError(f"lock {lock_path} is not a closed set for {target.flavour} (CPython {target.python}):\n"
+                         + "\n".join(f"  {u}" for u in unmet),
+                         f"Regenerate it with `tools/image lock --flavour {target.flavour}`, then check again.")
+    return result

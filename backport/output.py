@@ -37,6 +37,7 @@ from typing import Callable, Optional
 from .errors import CheckMismatch, PipelineError, WriteError, oserror_hint
 from .manifest_md import render_markdown
 from .tree import copy_tree
+from .tree_digest import lock_fields as tree_lock_fields
 from .verify import apply_patch
 
 #: Tool state under the output root (git ignores build/): the output lock and the journal.
@@ -57,7 +58,10 @@ def canonical_json(data) -> bytes:
 
 
 def lock_data(build) -> dict:
-    """The committed lock: pins, recipe digest, patch and manifest sha256."""
+    """The committed lock: pins, recipe digest, patch and manifest sha256, tree digests.
+
+    ``base_tree_sha256`` / ``patched_tree_sha256`` / ``tree_files``: see ``backport.tree_digest``.
+    """
     m = build.manifest
     return {
         "schema": 1,
@@ -66,6 +70,7 @@ def lock_data(build) -> dict:
         "patch": {"name": m["patch"]["name"], "sha256": m["patch"]["sha256"]},
         "manifest_sha256": hashlib.sha256(canonical_json(m)).hexdigest(),
         "date": m["date"],
+        **tree_lock_fields(build.base_tree, build.patch),
     }
 
 

@@ -19,6 +19,7 @@ from backport import image as img
 from backport import image_cli
 from backport.errors import ImageError, PipelineError
 from backport.image_lock import LockEntry, parse_lock, parse_report, render_lock
+from backport.tree_digest import lock_fields
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
@@ -57,8 +58,10 @@ def inputs(tmp_path) -> img.Inputs:
     torch_lock = tmp_path / "torch-cpu.lock"
     torch_lock.write_text(f"torch @ file:///opt/gdn/deps/wheels/{wheel.name} \\\n"
                           f"    --hash=sha256:{_sha(wheel.read_bytes())}\n")
+    tree_lock = tmp_path / "lock.json"
+    tree_lock.write_text(json.dumps(lock_fields(tree, patch.read_bytes())))
     return img.Inputs(tree=tree, patch=patch, manifest=manifest, tests=tests,
-                      torch_lock=torch_lock, torch_wheel=wheel)
+                      torch_lock=torch_lock, torch_wheel=wheel, tree_lock=tree_lock)
 
 
 # --------------------------------------------------------------------------- preflight / labels
@@ -76,11 +79,11 @@ def test_preflight_reads_digests_and_pins(inputs):
 
 def test_tree_digest_ignores_caches_and_sees_content(inputs):
     root = inputs.tree / "megatron"
-    before = img.tree_digest(root)
+    before = img.tree_digest(inputs.tree)
     (root / "core" / "__pycache__" / "other.pyc").write_bytes(b"y")
-    assert img.tree_digest(root) == before
+    assert img.tree_digest(inputs.tree) == before
     (root / "core" / "mod.py").write_text(BASE_PY + "# x\n")
-    assert img.tree_digest(root) != before
+    assert img.tree_digest(inputs.tree) != before
 
 
 @pytest.mark.parametrize("breakage, words", [
@@ -170,8 +173,10 @@ def test_stage_context_layout(inputs, tmp_path):
         "Dockerfile", "deps/requirements.lock", "deps/torch-cpu.lock", "deps/install-deps.sh",
         f"deps/wheels/{inputs.torch_wheel.name}", "deps/ca-bundle.crt",
         "app/bin/apply-patch.sh", "app/bin/capability_check.py", "app/bin/run-suite.sh",
-        "app/tests/image/test_x.py", "tree/megatron/core/mod.py",
-        "patch/megatron.patch", "patch/manifest.json"])
+        "app/bin/tree_digest.py", "app/tests/image/test_x.py", "tree/megatron/core/mod.py",
+        "patch/megatron.patch", "patch/manifest.json", "patch/trees.json"])
+    trees = json.loads((ctx / "patch" / "trees.json").read_text())
+    assert trees == img.read_tree_lock(inputs.tree_lock)
     assert (ctx / "patch" / "megatron.patch").read_bytes() == inputs.patch.read_bytes()
 
 
@@ -426,7 +431,8 @@ def test_cli_maps_errors_to_exit_codes(monkeypatch, capsys, inputs):
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
     with pytest.raises(SystemExit) as info:
         image_cli.main(["build", "--flavour", "cuda", "--tree", str(inputs.tree), "--patch", str(inputs.patch),
-                        "--manifest", str(inputs.manifest)])
+                        "--manifest", str(inputs.manifest), "--lock", str(inputs.lock),
+                        "--tree-lock", str(inputs.tree_lock)])
     assert info.value.code == 10
     err = capsys.readouterr().err
     assert "no Docker Engine answers" in err and "hint: Start the engine that DOCKER_HOST=" in err
@@ -446,17 +452,6 @@ def test_cli_usage_error_exits_2(capsys):
 
 
 # --------------------------------------------------------------------------- lock
-
-def test_committed_lock_pins_fla_and_triton_with_hashes():
-    entries = parse_lock((DOCKER / "requirements.lock").read_text())
-    assert entries["flash-linear-attention"].version == "0.4.2"
-    assert entries["fla-core"].version == "0.4.2"
-    assert entries["triton"].version == "3.6.0"
-    assert len(entries["triton"].hashes) >= 2  # cp311 and cp312 wheels
-    assert "torch" not in entries
-    for e in entries.values():
-        assert e.hashes and all(len(h) == 64 for h in e.hashes), e.name
-
 
 def test_committed_torch_lock_names_the_cpu_wheel():
     hashes = img.torch_lock_hashes((DOCKER / "torch-cpu.lock").read_text())
@@ -524,6 +519,15 @@ def _run_apply(tmp_path: Path, patch_text: str, manifest_sha: str | None = None)
     (root / "base" / "megatron" / "core" / "mod.py").write_text(BASE_PY)
     (root / "patch").mkdir()
     (root / "patch" / "megatron.patch").write_text(patch_text)
+    (root / "bin").mkdir()
+    shutil.copy2(img.TREE_DIGEST_SCRIPT, root / "bin" / "tree_digest.py")
+    # The lock made with this patch; a patch that does not apply gets the good patch's lock
+    # (the same pristine digest), so the apply step is what refuses it.
+    try:
+        trees = lock_fields(root / "base", patch_text.encode())
+    except PipelineError:
+        trees = lock_fields(root / "base", GOOD_PATCH.encode())
+    (root / "patch" / "trees.json").write_text(json.dumps(trees))
     sha = manifest_sha if manifest_sha is not None else _sha(patch_text.encode())
     (root / "patch" / "manifest.json").write_text(json.dumps({"patch": {"sha256": sha}}))
     env = dict(os.environ, GDN_ROOT=str(root), TMPDIR=str(tmp_path))
@@ -631,3 +635,26 @@ def test_rebuilt_layers_skip_from_and_global_arg():
              {"number": 3, "instruction": "COPY deps/ /opt/gdn/deps/", "cached": True},
              {"number": 4, "instruction": "COPY patch/ /opt/gdn/patch/", "cached": False}]
     assert img.rebuilt_layers(steps) == ["COPY patch/ /opt/gdn/patch/"]
+
+
+def test_pull_failure_with_pull_given_does_not_say_add_pull(monkeypatch, capsys, inputs):
+    class _Client:
+        images = _FakeImages(set())
+        api = _FakeAPI([{"error": "dial tcp: lookup nvcr.io: no such host"}])
+
+        def info(self):
+            return {"DockerRootDir": str(inputs.tree), "Driver": "overlay2"}
+
+    monkeypatch.setattr(img, "docker_client", lambda *a, **k: _Client())
+    args = ["build", "--flavour", "cuda", "--tree", str(inputs.tree), "--patch", str(inputs.patch),
+            "--manifest", str(inputs.manifest), "--lock", str(inputs.lock), "--tree-lock", str(inputs.tree_lock),
+            "--min-free-gb", "0"]
+    with pytest.raises(SystemExit) as info:
+        image_cli.main(args)  # without --pull: the hint says to add it
+    assert info.value.code == 14 and "add --pull" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        image_cli.main(args + ["--pull"])
+    err = capsys.readouterr().err
+    assert info.value.code == 14
+    assert "cannot pull nvcr.io/nvidia/pytorch:25.12-py3" in err
+    assert "add --pull" not in err and "The pull itself failed" in err and "docker load" in err

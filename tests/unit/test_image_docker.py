@@ -7,8 +7,12 @@ Every test here skips, saying why, when no engine answers (start one with
 * a patch with a rejected hunk fails the build at step patch-apply, with the log tail;
 * a lock that pins FLA 0.4.1 fails the build at the capability step (slow: the deps
   layer is rebuilt; set GDN_IMAGE_SLOW_TESTS=1);
-* the gate passes on the built image, and refuses a run that ran no test and a run
-  against the unpatched tree.
+* a build context whose pristine tree drifted after the preflight fails at step base-tree
+  with exit 13, naming the file;
+* the gate passes on the built image (its trees' digests, computed inside it, are the lock's),
+  and refuses a run that ran no test and a run against the unpatched tree.
+
+Every test removes the images it made (tagged or not), so `make test` leaves none behind.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import pytest
 
 from backport import image as img
 from backport.image_lock import parse_lock
+from backport.tree_digest import lock_fields
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_REPO = "gdn-megatron-test"
@@ -44,6 +49,40 @@ def client():
     return c
 
 
+def _remove_new_images(client, before: set) -> list:
+    """Remove the images made since ``before`` (ids): children first, the test repo's tags only."""
+    import docker
+
+    removed = []
+    for _ in range(20):
+        new = [i for i in client.images.list(all=True) if i.id not in before]
+        new = [i for i in new if all(t.startswith(f"{TEST_REPO}:") for t in i.tags)]
+        if not new:
+            break
+        progress = False
+        for image in new:
+            try:
+                client.images.remove(image.id, force=True, noprune=False)
+                removed.append(image.id)
+                progress = True
+            except docker.errors.ImageNotFound:
+                progress = True
+            except docker.errors.APIError:
+                continue  # has children not removed yet
+        if not progress:
+            break
+    return removed
+
+
+@pytest.fixture(autouse=True)
+def _leave_no_image_behind(request):
+    """Snapshot the engine's images before each test and remove what the test made."""
+    client = request.getfixturevalue("client")
+    before = {i.id for i in client.images.list(all=True)}
+    yield
+    _remove_new_images(client, before)
+
+
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -59,14 +98,22 @@ def _synthetic_inputs(tmp_path: Path, patch_text: str, lock: Path | None = None)
     manifest.write_text(json.dumps({"patch": {"name": "synthetic.patch", "sha256": _sha(patch.read_bytes())},
                                     "pins": {}}))
     defaults = img.Inputs()
+    tree_lock = tmp_path / "lock.json"
+    try:
+        trees = lock_fields(tmp_path / "tree", patch.read_bytes())
+    except Exception:  # a patch that does not apply: the lock of the pristine tree alone
+        trees = lock_fields(tmp_path / "tree", b"")
+    tree_lock.write_text(json.dumps(trees))
     return img.Inputs(tree=tmp_path / "tree", patch=patch, manifest=manifest,
-                      lock=lock or defaults.lock)
+                      lock=lock or defaults.lock, tree_lock=tree_lock)
 
 
-def _build(client, inputs: img.Inputs, tmp_path: Path, tag: str) -> img.BuildResult:
+def _build(client, inputs: img.Inputs, tmp_path: Path, tag: str, tamper=None) -> img.BuildResult:
     fl = img.FLAVOURS["cpu"]
     pre = img.preflight(inputs, fl)
-    ctx = img.stage_context(inputs, fl, tmp_path / "ctx", img.host_ca_bundle())
+    ctx = img.stage_context(inputs, fl, tmp_path / "ctx", img.host_ca_bundle(), trees=pre.trees)
+    if tamper:
+        tamper(ctx)
     lines: list[str] = []
     return img.build_image(client, ctx, img.build_args(fl, pre), [f"{TEST_REPO}:{tag}"], on_line=lines.append)
 
@@ -87,6 +134,19 @@ def test_build_refuses_a_patch_with_a_rejected_hunk(client, tmp_path):
     assert "tools/backport" in err.hint
 
 
+def test_build_refuses_a_context_whose_tree_drifted(client, tmp_path):
+    """The in-build check (apply-patch.sh, step base-tree), behind the preflight's."""
+    inputs = _synthetic_inputs(tmp_path, REJECTED.replace("def g", "def f"))
+
+    def tamper(ctx: Path) -> None:
+        (ctx / "tree" / "megatron" / "core" / "extra.py").write_text("X = 1\n")
+
+    with pytest.raises(img.TreeDrift) as info:
+        _build(client, inputs, tmp_path, "drift", tamper=tamper)
+    assert info.value.exit_code == 13
+    assert "first differing file: megatron/core/extra.py (extra)" in str(info.value)
+
+
 def _fla_041_lock(tmp_path: Path) -> Path:
     """The committed lock with flash-linear-attention/fla-core pinned at 0.4.1 (real hashes)."""
     dest = tmp_path / "wheels"
@@ -94,7 +154,7 @@ def _fla_041_lock(tmp_path: Path) -> Path:
                     "--only-binary=:all:", "--index-url", img_index(), "--dest", str(dest),
                     "flash-linear-attention==0.4.1", "fla-core==0.4.1"], check=True)
     hashes = {w.name.split("-")[0].replace("_", "-"): _sha(w.read_bytes()) for w in dest.glob("*.whl")}
-    text = (REPO / "docker" / "requirements.lock").read_text()
+    text = img.flavour_lock("cpu").read_text()
     out, skip = [], False
     for line in text.splitlines():
         name = line.split("==")[0]
@@ -144,14 +204,34 @@ def built_image(client):
     return ref
 
 
+def _image_trees(client, ref: str) -> dict:
+    """The tree fields the image was built with (its /opt/gdn/patch/trees.json)."""
+    out = client.containers.run(ref, ["cat", "/opt/gdn/patch/trees.json"], remove=True, network_mode="host")
+    return json.loads(out)
+
+
 def test_gate_passes_on_the_image(client, built_image):
-    report = img.run_gate(client, built_image, gpus=False)
+    report = img.run_gate(client, built_image, gpus=False, trees=_image_trees(client, built_image))
     assert report["ok"], report["reason"]
+    assert report["tree_check"]["base"]["ok"] and report["tree_check"]["patched"]["ok"]
+    names = [c["name"] for c in report["checks"]]
+    assert any("test_image_tree_drift" in n for n in names) and any("test_image_bridge" in n for n in names)
     assert report["suite"]["passed"] > 0 and report["suite"]["failed"] == 0
     assert report["versions"]["flash-linear-attention"] == "0.4.2"
     assert report["versions"]["triton"] == "3.6.0"
     assert report["pins"]["fla-core"] == "0.4.2"
     assert report["patch_sha256"] == client.images.get(built_image).labels["io.gdn.patch.sha256"]
+
+
+def test_gate_refuses_an_image_whose_tree_is_not_the_locks(client, built_image):
+    trees = _image_trees(client, built_image)
+    trees["tree_files"]["patched_changes"]["megatron/core/ssm/gated_delta_net.py"] = "0" * 16
+    trees["patched_tree_sha256"] = "0" * 64
+    report = img.run_gate(client, built_image, gpus=False, trees=trees)
+    assert not report["ok"] and report["suite"]["part"] == "not run"
+    assert "first differing file: megatron/core/ssm/gated_delta_net.py (changed)" in report["reason"]
+    with pytest.raises(img.TreeDrift):
+        img.require_gate_ok(report)
 
 
 def test_gate_refuses_a_run_with_no_test(client, built_image):
@@ -219,7 +299,7 @@ def test_cuda_flavour_path_on_a_torch_base(client, tmp_path):
     base = _torch_base(client, tmp_path)
     fl = img.FLAVOURS["cuda"]
     pre = img.preflight(real, fl)
-    ctx = img.stage_context(real, fl, tmp_path / "ctx", img.host_ca_bundle())
+    ctx = img.stage_context(real, fl, tmp_path / "ctx", img.host_ca_bundle(), trees=pre.trees)
     args = img.build_args(fl, pre, base)
     result = img.build_image(client, ctx, args, [f"{TEST_REPO}:cuda-path"])
     assert result.labels["io.gdn.flavour"] == "cuda"
