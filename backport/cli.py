@@ -70,13 +70,13 @@ def _date_choice(date: Optional[str], release: bool, out: Path, check: bool) -> 
     """
     from . import output
 
-    if date:
+    if date is not None:
         return date, "--date"
     if os.environ.get("SOURCE_DATE_EPOCH"):
         return None, "SOURCE_DATE_EPOCH"
     if release:
         return None, "today (UTC), --release"
-    lock_day = output.lock_date(out)
+    lock_day = output.lock_date(out, check=check)
     if lock_day:
         return lock_day, str(out / output.LOCK)
     return None, "today (UTC): there is no lock"
@@ -234,7 +234,7 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
             click.echo(f"recovered {out}: {done}", err=True)
         day, source = _date_choice(date, release, out, check)
         opts = options(day)
-        lock_day = output.lock_date(out)
+        lock_day = output.lock_date(out) if check else None
         shown = f"{opts.date[:4]}-{opts.date[4:6]}-{opts.date[6:]}"
         say(f"{'check: ' if check else ''}date {shown} from {source}")
         if check and lock_day and shown != lock_day:
@@ -295,4 +295,12 @@ def _ascii_safe_streams() -> None:
 def main(argv: Optional[list] = None) -> None:
     """Entry point of ``tools/backport`` and the ``gdn-backport`` script."""
     _ascii_safe_streams()
-    cli.main(args=argv, prog_name="tools/backport")
+    try:
+        cli.main(args=argv, prog_name="tools/backport", standalone_mode=False)
+    except click.exceptions.UsageError as exc:  # unknown flag, missing --carry file, bad value
+        click.echo(f"error: {exc.format_message()}\nhint: Run `tools/backport --help` for the flags, then the "
+                   "same command again, corrected.", err=True)
+        sys.exit(UsageError.exit_code)
+    except click.exceptions.Abort:
+        click.echo("error: interrupted\nhint: Run the same command again.", err=True)
+        sys.exit(130)

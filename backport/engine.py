@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 from collections import Counter
@@ -467,7 +468,11 @@ def parse_date(value: Optional[str]) -> str:
     """
     import datetime as dt
 
-    if value:
+    if value is not None:
+        # strptime alone takes "2026131" as 2026-01-31 and "202611" as 2026-01-01: the digits'
+        # layout is checked first (ASCII digits only).
+        if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}|[0-9]{8}", value):
+            raise UsageError(f"--date {value!r} is not YYYY-MM-DD.", hint="For example --date 2026-11-29.")
         for fmt in ("%Y-%m-%d", "%Y%m%d"):
             try:
                 day = dt.datetime.strptime(value, fmt)
@@ -484,6 +489,8 @@ def parse_date(value: Optional[str]) -> str:
     if epoch:
         hint = "Unset SOURCE_DATE_EPOCH, or set it to whole seconds since 1970-01-01 UTC (`date -u +%s`)."
         try:
+            if not re.fullmatch(r"-?[0-9]+", epoch):  # int() also takes "1_700", " 17 ", "+17" and other scripts' digits
+                raise ValueError(epoch)
             seconds = int(epoch)
         except ValueError as exc:
             raise UsageError(f"SOURCE_DATE_EPOCH={epoch!r} is not an integer.", hint=hint) from exc

@@ -294,27 +294,35 @@ def _write_error(exc: BaseException, doing: str, state: str) -> WriteError:
 PINNED_BY_LOCK = "absent; covered by the patch and manifest sha256 in " + LOCK
 
 
-def lock_date(root: Path) -> "str | None":
+def lock_date(root: Path, check: bool = True) -> "str | None":
     """The ``date`` (YYYY-MM-DD) of ``root/manifests/lock.json``, or None when there is no lock.
 
-    ``--check`` without ``--date`` rebuilds with this date, so the committed outputs compare
-    equal on any later day.
+    ``--check`` without ``--date`` rebuilds with this date, and so does a plain run, so the
+    committed outputs compare equal on any later day.
 
     Raises:
-        CheckMismatch: the lock exists but is not JSON with a ``date``.
+        CheckMismatch (``check``) or UsageError (a plain run): the lock exists but is not JSON
+        with a date from 1970-01-01 on.
     """
     import datetime as dt
+
+    from .errors import UsageError
 
     path = root / LOCK
     if not path.exists():
         return None
     try:
         value = json.loads(path.read_text(encoding="utf-8"))["date"]
-        return dt.datetime.strptime(value, "%Y-%m-%d").strftime("%Y-%m-%d")
+        day = dt.datetime.strptime(value, "%Y-%m-%d")
+        if day.year < 1970:
+            raise ValueError(f"date {value} is before 1970-01-01")
+        return day.strftime("%Y-%m-%d")
     except (ValueError, KeyError, TypeError) as exc:
-        raise CheckMismatch(f"{path} is not a lock with a date ({exc.__class__.__name__}: {exc})",
-                            hint=f"Restore it with `git checkout {LOCK}`, or regenerate it with "
-                                 "`tools/backport`, then run --check again.") from exc
+        problem = f"{path} is not a lock with a valid date ({exc.__class__.__name__}: {exc})"
+        if check:
+            raise CheckMismatch(problem, hint=f"Restore it with `git checkout {LOCK}`, then run --check again.") from exc
+        raise UsageError(problem, hint=f"Restore it with `git checkout {LOCK}` and run the same command again, or "
+                                       "make a new dated release over it with --release (or --date).") from exc
 
 
 def lock_changes(old: "dict | None", new: dict) -> list[str]:

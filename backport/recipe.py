@@ -7,7 +7,6 @@ of the upstream commit is taken verbatim, adapted, or excluded with a reason, ex
 from __future__ import annotations
 
 import hashlib
-import re
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
@@ -68,8 +67,6 @@ class _Step(_Strict):
 
 
 REASON_WORDS = 4
-# A plain (unquoted) YAML scalar after ``why:`` that holds `` #``: YAML reads the rest as a comment.
-_CUT_REASON = re.compile(r"^\s*(?:-\s*)?why:\s*(?=[^\s\x22'|>])[^\n]*?\s#")
 
 
 def lint_reason(why: str) -> str:
@@ -85,13 +82,32 @@ def lint_reason(why: str) -> str:
 
 
 def lint_yaml_reasons(text: str) -> list[str]:
-    """Lines whose ``why:`` is cut short by YAML itself (an unquoted `` #`` starts a comment).
+    """Reasons cut short by YAML itself: a plain (unquoted) ``why`` scalar followed by a `` #``.
 
-    ``why: belong to PR #5664 (...)`` parses as ``belong to PR``. Returns ``"line N: ..."``
-    descriptions, empty when every reason is whole.
+    ``why: belong to PR #5664 (...)`` parses as ``belong to PR``, and so does a plain scalar
+    continued on the next line where that line holds `` #``. Found with PyYAML's scanner: the
+    text between the end of a plain ``why`` value and the end of its line must be empty.
+    Returns ``"line N: ..."`` descriptions, empty when every reason is whole (or the YAML does
+    not scan: the parser then reports it).
     """
-    return [f"line {n}: {line.strip()[:80]}" for n, line in enumerate(text.splitlines(), start=1)
-            if _CUT_REASON.match(line)]
+    lines = text.splitlines()
+    found = []
+    try:
+        tokens = list(yaml.scan(text))
+    except yaml.YAMLError:
+        return []
+    for i, tok in enumerate(tokens[:-2]):
+        if not (isinstance(tok, yaml.KeyToken) and isinstance(tokens[i + 1], yaml.ScalarToken)
+                and tokens[i + 1].value == "why" and isinstance(tokens[i + 2], yaml.ValueToken)):
+            continue
+        value = tokens[i + 3] if i + 3 < len(tokens) else None
+        if not isinstance(value, yaml.ScalarToken) or value.style is not None:
+            continue  # quoted or block scalars keep their '#'
+        end = value.end_mark
+        rest = lines[end.line][end.column:] if end.line < len(lines) else ""
+        if rest.lstrip().startswith("#"):
+            found.append(f"line {end.line + 1}: {lines[end.line].strip()[:80]}")
+    return found
 
 
 class UpstreamFile(_Step):

@@ -203,7 +203,12 @@ def test_parse_date(monkeypatch, value, env, expected):
     assert parse_date(value) == expected
 
 
-@pytest.mark.parametrize("value, env", [("29/11/2026", None), ("2026-02-30", None), (None, "yesterday")])
+@pytest.mark.parametrize("value, env", [
+    ("29/11/2026", None), ("2026-02-30", None), (None, "yesterday"),
+    # strptime alone accepts these (hostile trial): 2026-01-31, 2026-01-01, and int()'s forms
+    ("2026131", None), ("202611", None), ("", None), ("2026-1-05", None),
+    (None, "1_700_000_000"), (None, " 1700000000 "), (None, "+1700000000"), (None, "\u0661\u0662"),
+])
 def test_bad_date_is_usage_error(monkeypatch, value, env):
     if env is not None:
         monkeypatch.setenv("SOURCE_DATE_EPOCH", env)
@@ -296,7 +301,7 @@ def test_lock_date(built, tmp_path):
     assert output.lock_date(tmp_path) == built[0].manifest["date"]
     for bad in ("{}", '{"date": "tomorrow"}', '{"date": 20261129}', "not json"):
         (tmp_path / output.LOCK).write_text(bad)
-        with pytest.raises(output.CheckMismatch, match="not a lock with a date") as exc:
+        with pytest.raises(output.CheckMismatch, match="not a lock with a valid date") as exc:
             output.lock_date(tmp_path)
         assert "git checkout manifests/lock.json" in exc.value.hint
 

@@ -338,3 +338,33 @@ def test_the_users_git_config_does_not_change_the_bytes(tmp_path, fake_repos):
     assert run("c2", {"GIT_CONFIG_GLOBAL": str(cfg)}) == plain
     assert run("c3", {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "diff.algorithm",
                       "GIT_CONFIG_VALUE_0": "patience", "GIT_CONFIG_PARAMETERS": "'diff.noprefix'='true'"}) == plain
+
+
+@pytest.mark.parametrize("args, in_error", [
+    (["--bogus"], "No such option '--bogus'"),
+    (["--carry", "/nonexistent/carry.patch"], "Invalid value for '--carry'"),
+    (["--cache-dir"], "requires an argument"),
+])
+def test_click_usage_errors_end_with_a_hint(args, in_error):
+    """Errors found by the flag parser itself keep the error:/hint: form (exit 2, stdout empty)."""
+    proc = subprocess.run([sys.executable, str(REPO / "tools/backport"), *args], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert_error_lines(proc.stderr, in_error)
+    assert "Usage:" not in proc.stderr
+
+
+@pytest.mark.parametrize("content", ['{"date": "2026-13-45"}', "not json", '{"date": "1969-12-31"}'])
+def test_a_corrupt_lock_is_a_usage_error_in_a_plain_run_and_a_release_replaces_it(base_args, tmp_path, content):
+    plain = base_args[:base_args.index("--date")] + base_args[base_args.index("--date") + 2:]
+    (tmp_path / "out" / "manifests").mkdir(parents=True)
+    (tmp_path / "out" / output.LOCK).write_text(content, encoding="utf-8")
+    result = _invoke(plain + ["--no-trees"])
+    assert result.exit_code == 2, result.output
+    assert_error_lines(result.stderr, "is not a lock with a valid date")
+    assert "git checkout manifests/lock.json" in result.stderr and "--release" in result.stderr
+    checked = _invoke(plain + ["--check"])
+    assert checked.exit_code == 8
+    released = _invoke(plain + ["--no-trees", "--release"], env={"SOURCE_DATE_EPOCH": "1767398400"})
+    assert released.exit_code == 0, released.output
+    assert output.lock_date(tmp_path / "out") == "2026-01-03"

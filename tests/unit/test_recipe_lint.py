@@ -79,3 +79,11 @@ def test_every_cited_decision_is_defined_in_docs_decisions():
     defined = set(re.findall(r"^\| (\d+[ab]?) \|", table, flags=re.M))
     assert cited <= defined, f"cited but not defined in docs/decisions.md: {sorted(cited - defined)}"
 
+
+
+def test_a_plain_reason_continued_on_a_line_with_a_hash_is_refused():
+    text = ("steps:\n  - id: a\n    why: Import FLA's build_cp_context beside the other kernels\n"
+            "      as upstream PR #3282 does (applies verbatim).\n")
+    assert lint_yaml_reasons(text) == ["line 4: as upstream PR #3282 does (applies verbatim)."]
+    whole = text.replace("PR #3282", "PR 3282")
+    assert lint_yaml_reasons(whole) == []
