@@ -37,6 +37,8 @@ from typing import Callable, Optional
 from .errors import CheckMismatch, PipelineError, WriteError, oserror_hint
 from .manifest_md import render_markdown
 from .tree import copy_tree
+from .tree_digest import check_against_lock as check_tree_against_lock
+from .tree_digest import describe as describe_tree
 from .tree_digest import lock_fields as tree_lock_fields
 from .verify import apply_patch
 
@@ -385,6 +387,17 @@ def check(build, root: Path) -> dict[str, str]:
             diffs.append(f"{rel} ({detail})")
         else:
             report[rel] = "identical"
+    # The trees, when on disk, must be the ones the fresh lock pins (a --no-trees run or an
+    # edit after the run would otherwise leave trees that disagree with the patch unnoticed).
+    fresh_lock = json.loads(files[LOCK])
+    for rel, which in zip(TREES, ("base", "patched")):
+        if not (root / rel / "megatron").is_dir() or f"{which}_tree_sha256" not in fresh_lock:
+            continue
+        result = check_tree_against_lock(root / rel, fresh_lock, which)
+        if result["ok"]:
+            report[rel] = "identical"
+        else:
+            diffs.append(f"{rel} ({describe_tree(result, which)})")
     if diffs:
         raise CheckMismatch("outputs on disk differ from a fresh run: " + ", ".join(diffs),
                             hint=_mismatch_hint(build, root))

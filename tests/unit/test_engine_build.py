@@ -433,3 +433,17 @@ def test_manifest_markdown_says_where_the_decisions_are_defined(built):
     from backport.manifest_md import render_markdown
 
     assert "`docs/decisions.md`" in render_markdown(built[0].manifest)
+
+
+def test_check_compares_the_trees_on_disk_with_the_lock(built, tmp_path):
+    """A tree edited (or left stale by --no-trees) after the run is a --check difference."""
+    output.write(built[0], tmp_path, trees=True)
+    report = output.check(built[0], tmp_path)
+    assert report["build/tree/base"] == report["build/tree/patched"] == "identical"
+    victim = next(p for p in sorted((tmp_path / "build/tree/patched/megatron").rglob("*.py")))
+    victim.write_bytes(victim.read_bytes() + b"# drift\n")
+    with pytest.raises(output.CheckMismatch) as exc:
+        output.check(built[0], tmp_path)
+    rel = victim.relative_to(tmp_path / "build/tree/patched").as_posix()
+    assert f"build/tree/patched (the patched tree's sha256" in exc.value.message
+    assert f"first differing file: {rel} (changed)" in exc.value.message
