@@ -223,7 +223,7 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         scratch = Path(tempfile.mkdtemp(prefix="gdn-backport-dry-"))
         written = output.write(build, scratch, trees=False)
         Console(width=200).print(_summary(build, written, "dry-run"))
-        click.echo(f"dry run: outputs in {scratch}; nothing else written")
+        click.echo(f"dry run: outputs in {scratch}; nothing else written (remove that folder when done)")
         return
 
     step["now"] = f"taking the lock of the output folder {out}"

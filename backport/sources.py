@@ -217,6 +217,8 @@ def open_source(
         isolate_gitpython(repo)
         source = Source(name=name, location=location, repo=repo, cold=cold)
         missing = [rev for rev in needed if not _present(source, rev)]
+        if not missing and not cold:
+            say(f"{name}: using the cache {cache} (source {location}; it has every pinned commit)")
         if missing:
             if offline:
                 raise SourceError(f"{name}: cache lacks {', '.join(missing)} and --offline was given.",
