@@ -47,7 +47,8 @@ def test_second_run_works_offline_and_is_warm(fake_repos, tmp_path):
     src = open_source("megatron-lm", str(tmp_path / "nowhere"), tmp_path / "cache",
                       (fake_repos.upstream, fake_repos.base[:10]), said.append, offline=True)
     assert src.cold is False
-    assert said == []
+    assert said == [f"megatron-lm: using the cache {tmp_path / 'cache' / 'megatron-lm.git'} "
+                    f"(source {tmp_path / 'nowhere'}; it has every pinned commit)"]  # no clone, no fetch
     assert src.resolve(fake_repos.upstream[:10]) == fake_repos.upstream
 
 
