@@ -101,6 +101,50 @@ def symbol_spans(text: str) -> Optional[list[tuple[int, int, str]]]:
     return spans
 
 
+def _bound_names(stmt) -> list[str]:
+    """Names a module- or class-level statement binds (defs, classes, assignments, imports)."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [stmt.name]
+    if isinstance(stmt, ast.AnnAssign):
+        return [stmt.target.id] if isinstance(stmt.target, ast.Name) else []
+    if isinstance(stmt, ast.Assign):
+        return [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        return [(a.asname or a.name).split(".")[0] for a in stmt.names if a.name != "*"]
+    return []
+
+
+def bindings(text: str) -> Optional[dict]:
+    """``{(scope, name): [(first, last), ...]}``: every name bound at module level (scope ``""``)
+    or directly in a class body (scope: the class qualname), with the 0-based inclusive line
+    span of each binding statement (decorators included), in file order; None when ``text``
+    is not valid Python."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    out: dict = {}
+
+    def walk(body, scope):
+        for stmt in body:
+            first = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])]) - 1
+            for name in _bound_names(stmt):
+                out.setdefault((scope, name), []).append((first, stmt.end_lineno - 1))
+            if isinstance(stmt, ast.ClassDef):
+                walk(stmt.body, (scope + "." if scope else "") + stmt.name)
+
+    walk(tree.body, "")
+    return out
+
+
+def bindings_at(text: str, lines: Sequence[int]) -> set:
+    """``(scope, name)`` of every module/class-level binding whose statement holds one of the
+    0-based ``lines`` of ``text`` (empty for invalid Python)."""
+    found = bindings(text) or {}
+    return {key for key, spans in found.items() for first, last in spans
+            if any(first <= ln <= last for ln in lines)}
+
+
 def enclosing_symbol(spans: Optional[list], line: int) -> Optional[str]:
     """Innermost qualname whose span holds 0-based ``line``; ``""`` for module level; None if unknown."""
     if spans is None:

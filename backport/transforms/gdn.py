@@ -13,7 +13,7 @@ from pathlib import Path
 import libcst as cst
 import libcst.matchers as m
 
-from ..errors import ApplyError
+from ..errors import ApplyError, BindingExists
 from . import Result, register
 from .cst import code_of, find_class, find_function, parse, replace_node, statements
 
@@ -43,6 +43,37 @@ def _blank_line_before(stmt):
     while lines and lines[0].comment is None:
         lines.pop(0)
     return stmt.with_changes(leading_lines=[cst.EmptyLine(indent=False)] + lines)
+
+
+def _existing_binding(module, cls, name: str):
+    """The statement of ``cls``'s body (a field, attribute, def or class) that binds ``name``."""
+    for stmt in cls.body.body:
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) and stmt.name.value == name:
+            return stmt
+        if _is_ann_assign(stmt, name) or _is_assign(stmt, name):
+            return stmt
+    return None
+
+
+def _binding_exists(module, stmt, scope: str, name: str, path: str) -> BindingExists:
+    line = module.code_for_node(stmt).strip().splitlines()[0] if stmt is not None else name
+    pos = _line_of(module, stmt)
+    return BindingExists(
+        f"{path}: {scope} already binds {name} ({line!r}, line {pos}); the transform would add it again "
+        "and override or shadow it.", scope=scope, name=name, lineno=pos,
+        hint="Drop that binding from the carried patch (the recipe adds it), or give it the recipe's exact form.")
+
+
+def _line_of(module, stmt) -> int:
+    """1-based line of ``stmt`` (its first non-blank line) in ``module``."""
+    from libcst.metadata import MetadataWrapper, PositionProvider
+
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    positions = wrapper.resolve(PositionProvider)
+    for node, pos in positions.items():
+        if node is stmt:
+            return pos.start.line
+    return 0
 
 
 def _replace_method(module, cls, name, new_fn, path):
@@ -91,8 +122,14 @@ def gdn_config_linear_cp_mode(text: str, path: str = "transformer_config.py") ->
     if idx + 1 < len(body) and _is_docstring(body[idx + 1]):
         idx += 1
     field = statements(LINEAR_CP_FIELD)
-    field[0] = _blank_line_before(field[0])
-    body[idx + 1:idx + 1] = field
+    existing = _existing_binding(module, cls, "linear_cp_mode")
+    if existing is not None and code_of(existing, module).strip() == code_of(field[0], module).strip():
+        pass  # exactly our field (our docstring may differ): already there, kept as written
+    elif existing is not None:
+        raise _binding_exists(module, existing, "TransformerConfig", "linear_cp_mode", path)
+    else:
+        field[0] = _blank_line_before(field[0])
+        body[idx + 1:idx + 1] = field
     new_cls = cls.with_changes(body=cls.body.with_changes(body=body))
 
     post_init = find_function(new_cls.body.body, "__post_init__", f"{path}: TransformerConfig")

@@ -115,19 +115,37 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
         ApplyError (exit 6): a real conflict with a carried hunk that is not superseded,
             naming file, hunk number, first conflicting line and the step.
     """
-    symbols = sorted({h.symbol for h in hunks if h.symbol})
+    def syms(h) -> set:
+        return {sym for _, _, sym in h.line_symbols if sym} | ({h.symbol} if h.symbol else set())
+
+    symbols = sorted(set().union(*(syms(h) for h in hunks)) if hunks else set())
+    what = f"transform {step.transform}" if getattr(step, "transform", None) else step.kind
     # innermost first would merge twice; keep only outermost touched symbols that are functions
     # or classes present in all three versions
     for qual in symbols:
         if any(qual.startswith(other + ".") for other in symbols if other != qual):
             continue
         spans = [_span(t, qual) for t in (base, before, after)]
+        own = [h for h in hunks if any(s == qual or s.startswith(qual + ".") for s in syms(h))]
+        if spans[0] is None and spans[1] is not None:  # the carry added this symbol
+            c_lines = split_lines(before)[spans[1][0]:spans[1][1]]
+            a_lines = split_lines(after)[spans[2][0]:spans[2][1]] if spans[2] else []
+            live = [h for h in own if h.oid not in superseded]
+            if a_lines != c_lines and live:
+                h = live[0]
+                lost = next((ln for ln in c_lines if ln not in a_lines and ln.strip()), c_lines[0] if c_lines else "")
+                verb = "removes" if spans[2] is None else "replaces"
+                raise ApplyError(
+                    f"carried hunk {h.n} of {h.path} ({h.oid}, in {qual}) conflicts with recipe step {step.id} "
+                    f"({what}), which {verb} {qual}, a symbol the carried patch adds: first conflicting line "
+                    f"{lost.rstrip(chr(13) + chr(10))!r}.",
+                    hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
+            continue
         if None in spans:
             continue
         b_lines, c_lines, a_lines = (split_lines(t)[s:e] for t, (s, e) in zip((base, before, after), spans))
         if c_lines == b_lines or a_lines == c_lines:
             continue
-        own = [h for h in hunks if h.symbol == qual or (h.symbol or "").startswith(qual + ".")]
         merged, n = merge3("".join(a_lines), "".join(b_lines), "".join(c_lines))
         if n:
             blocking = []
@@ -138,7 +156,6 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
                     break
             if blocking:
                 h, c = blocking[0]
-                what = f"transform {step.transform}" if getattr(step, "transform", None) else step.kind
                 raise ApplyError(
                     f"carried hunk {h.n} of {h.path} ({h.oid}, in {qual}) conflicts with recipe step {step.id} "
                     f"({what}), which rewrites {qual}: first conflicting line {_first_conflicting_line(c)!r}.",
