@@ -344,8 +344,8 @@ class _Run:
             ApplyError (exit 6): naming the first carried hunk whose change upstream's file lacks.
         """
         live = self._live_hunks(step.path)
-        ancestor = self._ancestor(step.path)
-        if not live or ancestor is None or before == ancestor:
+        ancestor = self._ancestor(step.path) or ""
+        if not live or before == ancestor:
             return
         merged, n = merge3(content, ancestor, before)
         if n == 0 and merged == content:

@@ -1,0 +1,134 @@
+"""Carried symbols are neither replaced, bound again nor wrongly refused by recipe steps.
+
+Defects found by a hostile tester: a transplant replaced a def the carry added (exit 0);
+a transform added a second ``linear_cp_mode`` field after the carried one (exit 0, the
+user's default lost); class-level carried lines were refused by later steps (the merge used
+the pristine base as the ancestor). ``carry_survival`` checks every carried line in the
+symbol where it lands, not the hunk header's anchor symbol.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from backport.carry import carry_workspace
+from backport.engine import build
+from backport.errors import ApplyError, VerificationError
+from backport.transforms import REGISTRY, Result
+from backport.verify import carry_survival
+
+from conftest import PACKED, RESOLVE, DATA, gdn_text, git_diff, recipe_data, write_recipe
+
+pytestmark = pytest.mark.usefixtures("engine_env")
+
+GDN = "megatron/core/ssm/gated_delta_net.py"
+CFG = "megatron/core/transformer/transformer_config.py"
+PSP = "megatron/core/packed_seq_params.py"
+CONFIG_STEP = {"id": "adapt-config", "kind": "adaptation", "path": CFG, "transform": "gdn_config_linear_cp_mode",
+               "why": "adds linear_cp_mode and the per-mode head rule"}
+GDN_STEPS = [
+    {"id": "adapt-init-check", "kind": "adaptation", "path": GDN, "transform": "gdn_init_check_linear_cp",
+     "why": "check the CP mode in __init__"},
+    {"id": "adapt-forward", "kind": "adaptation", "path": GDN, "transform": "gdn_linear_cp_forward",
+     "why": "our three-mode forward replaces the base forward"},
+    {"id": "adapt-prepare-qkv", "kind": "adaptation", "path": GDN, "transform": "gdn_prepare_qkv_headwise_cp_size",
+     "why": "headwise CP size argument"},
+]
+
+
+def _recipe(fake_repos, tmp_path, *steps):
+    data = recipe_data(fake_repos)
+    data["steps"] += list(steps)
+    return write_recipe(tmp_path / "r.yaml", data)
+
+
+def _carry(tmp_path, changes: dict) -> "Path":
+    before = {p: old for p, (old, _new) in changes.items()}
+    after = {p: new for p, (_old, new) in changes.items()}
+    path = tmp_path / "down.patch"
+    path.write_text(git_diff(tmp_path / "carry-src", before, after))
+    return path
+
+
+DOWNSTREAM_RESOLVE = ('\n\ndef resolve_cp_group(static_cp_group, packed_seq_params=None):\n'
+                      '    """CARRY7 downstream version."""\n    return static_cp_group  # CARRY7\n')
+
+
+def test_transplant_replacing_a_carried_def_is_a_conflict(tmp_path, fake_repos, make_options):
+    carry = _carry(tmp_path, {PSP: (PACKED, PACKED + DOWNSTREAM_RESOLVE)})
+    with pytest.raises(ApplyError) as exc:
+        build(make_options(_recipe(fake_repos, tmp_path), carry=carry))
+    msg = exc.value.message
+    assert exc.value.exit_code == 6 and f"carry:{PSP}#1" in msg and "in resolve_cp_group" in msg
+    assert "recipe step prereq-resolve" in msg and "replaces resolve_cp_group" in msg
+    assert "def resolve_cp_group(static_cp_group, packed_seq_params=None):" in msg
+
+
+def test_transplant_of_a_carried_def_identical_to_upstream_merges(tmp_path, fake_repos, make_options):
+    b = build(make_options(_recipe(fake_repos, tmp_path), carry=_carry(tmp_path, {PSP: (PACKED, PACKED + RESOLVE)})))
+    patch = b.patch.decode()
+    assert patch.count("+def resolve_cp_group(params, default):") == 1
+    assert next(c for c in b.manifest["verification"] if c["check"] == "carry_survival")["ok"]
+
+
+def test_carried_field_bound_again_by_the_config_transform_is_a_conflict(tmp_path, fake_repos, make_options):
+    cfg = (DATA / "transformer_config.py").read_text()
+    user = cfg.replace("    hidden_size: int = 8\n", '    linear_cp_mode: str = "chunkwise"  # CARRY22\n    hidden_size: int = 8\n')
+    with pytest.raises(ApplyError) as exc:
+        build(make_options(_recipe(fake_repos, tmp_path, CONFIG_STEP), carry=_carry(tmp_path, {CFG: (cfg, user)})))
+    msg = exc.value.message
+    assert exc.value.exit_code == 6 and f"carry:{CFG}#1" in msg and "recipe step adapt-config" in msg
+    assert "adds linear_cp_mode to TransformerConfig" in msg and "CARRY22" in msg
+
+
+def test_carried_field_of_the_recipes_exact_form_is_kept_once(tmp_path, fake_repos, make_options):
+    cfg = (DATA / "transformer_config.py").read_text()
+    user = cfg.replace("    hidden_size: int = 8\n", '    linear_cp_mode: str = "headwise"\n    hidden_size: int = 8\n')
+    b = build(make_options(_recipe(fake_repos, tmp_path, CONFIG_STEP), carry=_carry(tmp_path, {CFG: (cfg, user)})))
+    assert b.patch.decode().count('linear_cp_mode: str = "headwise"') == 1
+
+
+def test_any_step_binding_a_carried_name_again_is_a_conflict(tmp_path, fake_repos, make_options, monkeypatch):
+    monkeypatch.setitem(REGISTRY, "rebind_flag", lambda text, path: Result(text + "\nCARRIED_FLAG = False\n"))
+    step = {"id": "adapt-rebind", "kind": "adaptation", "path": GDN, "transform": "rebind_flag",
+            "why": "a step that binds a carried name again"}
+    carry = _carry(tmp_path, {GDN: (gdn_text(), gdn_text().replace("import torch\n", "import torch\n\nCARRIED_FLAG = True\n"))})
+    with pytest.raises(ApplyError) as exc:
+        build(make_options(_recipe(fake_repos, tmp_path, step), carry=carry))
+    msg = exc.value.message
+    assert exc.value.exit_code == 6 and "binds CARRIED_FLAG again in module level" in msg
+    assert "recipe step adapt-rebind" in msg and f"carry:{GDN}#1" in msg
+
+
+@pytest.mark.parametrize("old, new, added, steps", [
+    ('    """Toy layer."""\n\n', '    """Toy layer."""\n\n    carry_flag = True  # CARRY21\n\n',
+     "+    carry_flag = True  # CARRY21\n", GDN_STEPS),
+    # the toy forward's one-line signature is rewritten, so only the other steps run here
+    ("    def forward(", "    @torch._dynamo.disable\n    def forward(", "+    @torch._dynamo.disable\n",
+     [GDN_STEPS[0], GDN_STEPS[2]]),
+])
+def test_class_level_carried_lines_merge_through_later_steps(tmp_path, fake_repos, make_options, old, new, added,
+                                                             steps):
+    user = gdn_text().replace(old, new, 1)
+    b = build(make_options(_recipe(fake_repos, tmp_path, *steps), carry=_carry(tmp_path, {GDN: (gdn_text(), user)})))
+    assert added in b.patch.decode()
+    assert next(c for c in b.manifest["verification"] if c["check"] == "carry_survival")["ok"]
+
+
+def test_survival_checks_the_symbol_where_the_carried_lines_land(tmp_path):
+    base_text = "class A:\n    def f(self):\n        return 1\n"
+    carried = base_text + "\n\ndef g():\n    return 2  # CARRIED\n"
+    (tmp_path / "base" / "m").mkdir(parents=True)
+    (tmp_path / "base" / "m" / "a.py").write_text(base_text)
+    (tmp_path / "c.patch").write_text(git_diff(tmp_path / "src", {"m/a.py": base_text}, {"m/a.py": carried}))
+    carry, ws = carry_workspace(tmp_path / "c.patch", tmp_path / "base")
+    h = carry.hunks[0]
+    assert h.symbol == "A.f"  # the header's anchor, not where the def lands
+    assert {sym for sign, line, sym in h.line_symbols if line.strip()} == {"g"}
+    ws.files["m/a.py"].replace_text(base_text + "\n\ndef g():\n    return 3\n", "step")
+    run = types.SimpleNamespace(carry_model=carry, ws=ws, carried_text={"m/a.py": carried}, origins={})
+    with pytest.raises(VerificationError) as exc:
+        carry_survival(run)
+    assert "in g: added line 'return 2  # CARRIED' is missing" in exc.value.message
