@@ -125,3 +125,15 @@ def test_call_site_context_manager_conflicting_with_the_new_forward_is_exit_6(tm
     assert exc.value.exit_code == 6
     assert f"carried hunk 1 of {GDN}" in msg and "recipe step adapt-gdn-forward" in msg
     assert "first conflicting line" in msg and "superseded" in exc.value.hint
+
+
+@pytest.mark.parametrize("edit, added", [
+    (lambda t: t.replace('    """\n\n    def __init__(', '    """\n\n    carry_flag = True  # CARRY21\n\n    def __init__(', 1),
+     "+    carry_flag = True  # CARRY21\n"),
+    (lambda t: t.replace("    def forward(", "    @torch._dynamo.disable\n    def forward(", 1),
+     "+    @torch._dynamo.disable\n"),
+])
+def test_class_level_carried_lines_are_not_refused_by_later_steps(tmp_path, cache, edit, added):
+    b = _build(cache, _carry(tmp_path, edit))
+    assert added in b.patch.decode()
+    assert {c["check"]: c["ok"] for c in b.manifest["verification"]}["carry_survival"]
