@@ -326,14 +326,18 @@ class _Run:
 
     def _binding_conflict(self, step, path: str, text: str, tags: list, exc: BindingExists) -> None:
         """Re-raise a transform's :class:`BindingExists` naming the carried hunk that binds the
-        name, when a carried line binds it (else the caller re-raises ``exc`` itself)."""
+        name (or wrote the line it names), when there is one (else the caller re-raises ``exc``
+        itself, exit 6 all the same)."""
         h = self._carried_bindings(path, text, tags).get((exc.scope, exc.name))
+        if h is None:  # not a module/class-level binding: the carried hunk that wrote that line
+            h = next((h for h in self._live_hunks(path)
+                      if 0 < exc.lineno <= len(tags) and tags[exc.lineno - 1] == ("origin", h.oid)), None)
         if h is None:
             return
         line = split_lines(text)[exc.lineno - 1].rstrip("\r\n") if 0 < exc.lineno <= len(split_lines(text)) else ""
         raise ApplyError(
             f"carried hunk {h.n} of {h.path} ({h.oid}, in {exc.scope or 'module level'}) conflicts with recipe step "
-            f"{step.id} ({self._what(step)}), which adds {exc.name} to {exc.scope or 'module level'}: first "
+            f"{step.id} ({self._what(step)}), which adds {exc.name} to {exc.scope or 'module level'} again: first "
             f"conflicting line {line!r}.", hint=CONFLICT_HINT.format(oid=h.oid, step=step.id)) from exc
 
     def _check_whole_file(self, step, before: str, content: str) -> None:

@@ -3,9 +3,12 @@
 A transform such as ``gdn_linear_cp_forward`` replaces a whole function body; a carried
 downstream edit inside that function would vanish. For every function (or class) a carried
 hunk touched, :func:`merge_carried_functions` merges base body -> carried body into the new
-body with ``git merge-file`` (ancestor: the function at the pristine base; ours: the body
-after the step; theirs: the body before the step, carry included). Identical changes on
-both sides merge cleanly, so steps that edit in place are unaffected. A real conflict fails
+body with ``git merge-file`` (ancestor: the symbol after the earlier steps without the
+carry, so earlier steps' changes are on every side; ours: the body after the step; theirs:
+the body before the step, carry included). Symbols are those where the carried lines land
+(``CarryHunk.line_symbols``), not the hunk header's anchor. Identical changes on both sides
+merge cleanly, so steps that edit in place are unaffected. A step that replaces or removes a
+symbol the carry added fails unless its version is identical. A real conflict fails
 (exit 6) naming the carried hunk (file, hunk number, first conflicting line) and the step,
 unless every conflicting hunk is declared ``superseded`` in the recipe: then the new body
 wins there.
@@ -101,7 +104,8 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
     """Merge the carried delta of every function/class the carry touched into ``after``.
 
     Args:
-        base: the file at the pristine base.
+        base: the ancestor: the file after the earlier steps without the carry (the pristine
+            base when that could not be computed).
         before: the file before the step (carry and earlier steps applied).
         after: the file the step produced.
         hunks: carried hunks of this file (:class:`~backport.carry.CarryHunk`, with ``symbol``).
@@ -112,8 +116,9 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
         ``after`` with the carried changes merged back (unchanged when nothing was lost).
 
     Raises:
-        ApplyError (exit 6): a real conflict with a carried hunk that is not superseded,
-            naming file, hunk number, first conflicting line and the step.
+        ApplyError (exit 6): a real conflict with a carried hunk that is not superseded, or a
+            carry-added symbol the step replaced or removed, naming file, hunk number, first
+            conflicting line and the step.
     """
     def syms(h) -> set:
         return {sym for _, _, sym in h.line_symbols if sym} | ({h.symbol} if h.symbol else set())

@@ -132,3 +132,87 @@ def test_survival_checks_the_symbol_where_the_carried_lines_land(tmp_path):
     with pytest.raises(VerificationError) as exc:
         carry_survival(run)
     assert "in g: added line 'return 2  # CARRIED' is missing" in exc.value.message
+
+
+# --- every insertion transform detects what it would add twice ---------------------------------------
+
+IMPORT_ANCHOR = "from megatron.core.process_groups_config import ProcessGroupCollection\n"
+
+
+def test_gdn_imports_already_there_exactly_are_already_present():
+    from backport.transforms.gdn import gdn_imports
+
+    once = gdn_imports(gdn_text()).text
+    again = gdn_imports(once)
+    assert again.status == "already-present" and again.text == once
+
+
+def test_gdn_imports_of_a_name_bound_otherwise_is_refused():
+    from backport.errors import BindingExists
+    from backport.transforms.gdn import gdn_imports
+
+    user = gdn_text().replace(IMPORT_ANCHOR, IMPORT_ANCHOR + "from my.layout import zigzag_to_contiguous_chunks\n")
+    with pytest.raises(BindingExists) as exc:
+        gdn_imports(user)
+    assert exc.value.exit_code == 6 and exc.value.name == "zigzag_to_contiguous_chunks" and exc.value.scope == ""
+
+
+def test_gdn_imports_add_only_the_missing_names():
+    from backport.transforms.gdn import gdn_imports
+
+    user = gdn_text().replace(IMPORT_ANCHOR, IMPORT_ANCHOR + "from megatron.core.ssm import gdn_context_parallel\n")
+    out = gdn_imports(user).text
+    assert out.count("gdn_context_parallel\n") == 1 and "zigzag_to_contiguous_chunks" in out
+
+
+INIT_ANCHOR = "        self.v_dim_local_tp = 4 // tp_size\n"
+
+
+def test_init_check_already_there_exactly_is_already_present():
+    from backport.transforms.gdn import gdn_init_check_linear_cp
+
+    once = gdn_init_check_linear_cp(gdn_text()).text
+    assert gdn_init_check_linear_cp(once).status == "already-present"
+
+
+def test_init_check_in_another_form_through_the_engine_names_the_carried_hunk(tmp_path, fake_repos, make_options):
+    user = gdn_text().replace(INIT_ANCHOR, INIT_ANCHOR + "        gdn_context_parallel.check_linear_cp_geometry("
+                                                         "'chunkwise', 1, 1, 1, 1)  # CARRY\n")
+    with pytest.raises(ApplyError) as exc:
+        build(make_options(_recipe(fake_repos, tmp_path, GDN_STEPS[0]), carry=_carry(tmp_path, {GDN: (gdn_text(), user)})))
+    msg = exc.value.message
+    assert exc.value.exit_code == 6 and f"carry:{GDN}#1" in msg and "recipe step adapt-init-check" in msg
+    assert "adds check_linear_cp_geometry to GatedDeltaNet.__init__ again" in msg and "# CARRY" in msg
+
+
+def test_prepare_qkv_parameter_in_another_form_is_refused(tmp_path, fake_repos, make_options):
+    user = gdn_text().replace("def _prepare_qkv_for_gated_delta_rule(self, qkv, batch):",
+                              "def _prepare_qkv_for_gated_delta_rule(self, qkv, batch, cp_size_headwise=2):")
+    with pytest.raises(ApplyError) as exc:
+        build(make_options(_recipe(fake_repos, tmp_path, GDN_STEPS[2]), carry=_carry(tmp_path, {GDN: (gdn_text(), user)})))
+    msg = exc.value.message
+    assert exc.value.exit_code == 6 and f"carry:{GDN}#1" in msg and "recipe step adapt-prepare-qkv" in msg
+    assert "cp_size_headwise" in msg
+
+
+def test_prepare_qkv_parameter_in_the_recipes_form_still_gets_its_body_rewrite():
+    from backport.transforms.gdn import gdn_prepare_qkv_headwise_cp_size
+
+    user = gdn_text().replace("def _prepare_qkv_for_gated_delta_rule(self, qkv, batch):",
+                              "def _prepare_qkv_for_gated_delta_rule(self, qkv, batch, cp_size_headwise=1):")
+    out = gdn_prepare_qkv_headwise_cp_size(user)
+    assert out.status == "applied" and "heads = qkv // cp_size_headwise" in out.text
+    assert gdn_prepare_qkv_headwise_cp_size(out.text).status == "already-present"
+
+
+def test_upstream_file_over_a_carried_file_is_a_conflict(tmp_path, fake_repos, make_options):
+    layout = "megatron/core/context_parallel_layout.py"
+    carry = tmp_path / "down.patch"
+    carry.write_text(git_diff(tmp_path / "carry-src", {"README.md": "fake Megatron-LM\n"},
+                              {"README.md": "fake Megatron-LM\n",
+                               layout: "def zigzag_to_contiguous_chunks(x):\n    return x  # CARRY\n"}))
+    with pytest.raises(ApplyError) as exc:
+        build(make_options(_recipe(fake_repos, tmp_path), carry=carry))
+    msg = exc.value.message
+    assert exc.value.exit_code == 6 and f"carry:{layout}#1" in msg and "recipe step take-layout (upstream_file)" in msg
+    assert "return x  # CARRY" in msg
