@@ -28,7 +28,7 @@ from .transforms.merge import CONFLICT_HINT, merge3, merge_carried_functions
 from .transforms.transplant import transplant
 from .tree import assemble_base_tree
 from .upstream import UpstreamHunk, load_hunks
-from .workspace import FileState, Workspace, bindings, bindings_at, check_tree_path, split_lines
+from .workspace import FileState, Workspace, bindings, bindings_at, check_tree_path, new_bindings, split_lines
 
 ADAPTATIONS = Path(__file__).resolve().parent / "adaptations"
 GIT_ENV = {
@@ -303,7 +303,8 @@ class _Run:
 
     def _check_bindings(self, step, path: str, before: str, after: str, tags: list) -> None:
         """A step must not bind again a name that a carried line binds (a second field, def or
-        import of that name would override or shadow the carried one).
+        import of that name would override or shadow the carried one); a second binding of
+        the identical form (the same import, the same statement) is accepted.
 
         Raises:
             ApplyError (exit 6): naming the carried hunk, the name and the step.
@@ -311,18 +312,17 @@ class _Run:
         mine = self._carried_bindings(path, before, tags)
         if not mine or before == after:
             return
-        was, now = bindings(before) or {}, bindings(after) or {}
-        for key in sorted(mine):
-            if len(now.get(key, [])) > len(was.get(key, [])):
-                h = mine[key]
-                scope, name = key
-                first, _ = was[key][0] if was.get(key) else (0, 0)
-                line = split_lines(before)[first].rstrip("\r\n") if was.get(key) else name
-                raise ApplyError(
-                    f"carried hunk {h.n} of {h.path} ({h.oid}, in {scope or 'module level'}) conflicts with recipe "
-                    f"step {step.id} ({self._what(step)}), which binds {name} again in {scope or 'module level'}: "
-                    f"first conflicting line {line!r}.",
-                    hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
+        twice = new_bindings(before, after, mine)
+        if twice:
+            key = twice[0]
+            h, (scope, name) = mine[key], key
+            was = bindings(before) or {}
+            line = split_lines(before)[was[key][0][0]].rstrip("\r\n") if was.get(key) else name
+            raise ApplyError(
+                f"carried hunk {h.n} of {h.path} ({h.oid}, in {scope or 'module level'}) conflicts with recipe "
+                f"step {step.id} ({self._what(step)}), which binds {name} again in {scope or 'module level'}: "
+                f"first conflicting line {line!r}.",
+                hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
 
     def _binding_conflict(self, step, path: str, text: str, tags: list, exc: BindingExists) -> None:
         """Re-raise a transform's :class:`BindingExists` naming the carried hunk that binds the

@@ -23,7 +23,7 @@ from unidiff import PatchSet
 
 from .errors import VerificationError
 from .recipe import UpstreamFile
-from .workspace import bindings, bindings_at, split_lines, symbol_spans
+from .workspace import bindings_at, new_bindings, split_lines, symbol_spans
 
 CONFLICT = re.compile(r"^(<{7}|={7}|>{7})( |$)")
 
@@ -245,11 +245,8 @@ def _twice_bound(carried_text: str, final_text: str, h):
     mine = bindings_at(carried_text, h.added_at)
     if not mine:
         return None
-    before, after = bindings(carried_text) or {}, bindings(final_text) or {}
-    for key in sorted(mine):
-        if len(after.get(key, [])) > len(before.get(key, [])):
-            return key
-    return None
+    twice = new_bindings(carried_text, final_text, mine)
+    return twice[0] if twice else None
 
 
 def _distinct(lines: list) -> list:

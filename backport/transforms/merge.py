@@ -8,7 +8,8 @@ carry, so earlier steps' changes are on every side; ours: the body after the ste
 the body before the step, carry included). Symbols are those where the carried lines land
 (``CarryHunk.line_symbols``), not the hunk header's anchor. Identical changes on both sides
 merge cleanly, so steps that edit in place are unaffected. A step that replaces or removes a
-symbol the carry added fails unless its version is identical. A real conflict fails
+symbol the carry added fails unless its version is identical; one that brings back a
+symbol the carry removed fails. A real conflict fails
 (exit 6) naming the carried hunk (file, hunk number, first conflicting line) and the step,
 unless every conflicting hunk is declared ``superseded`` in the recipe: then the new body
 wins there.
@@ -145,6 +146,16 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
                     f"({what}), which {verb} {qual}, a symbol the carried patch adds: first conflicting line "
                     f"{lost.rstrip(chr(13) + chr(10))!r}.",
                     hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
+            continue
+        if spans[0] is not None and spans[1] is None and spans[2] is not None:  # the carry removed it
+            live = [h for h in own if h.oid not in superseded]
+            if live:
+                h = live[0]
+                back = split_lines(after)[spans[2][0]].rstrip("\r\n")
+                raise ApplyError(
+                    f"carried hunk {h.n} of {h.path} ({h.oid}, in {qual}) conflicts with recipe step {step.id} "
+                    f"({what}), which brings back {qual}, a symbol the carried patch removes: first conflicting "
+                    f"line {back!r}.", hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
             continue
         if None in spans:
             continue

@@ -216,3 +216,27 @@ def test_upstream_file_over_a_carried_file_is_a_conflict(tmp_path, fake_repos, m
     msg = exc.value.message
     assert exc.value.exit_code == 6 and f"carry:{layout}#1" in msg and "recipe step take-layout (upstream_file)" in msg
     assert "return x  # CARRY" in msg
+
+
+def test_a_second_binding_of_the_identical_form_is_accepted(tmp_path, fake_repos, make_options, monkeypatch):
+    monkeypatch.setitem(REGISTRY, "import_os", lambda text, path: Result(text + "\nimport os\n"))
+    step = {"id": "adapt-import-os", "kind": "adaptation", "path": GDN, "transform": "import_os",
+            "why": "a step that imports what the carry imports"}
+    carry = _carry(tmp_path, {GDN: (gdn_text(), gdn_text().replace("import torch\n", "import os\n\nimport torch\n"))})
+    b = build(make_options(_recipe(fake_repos, tmp_path, step), carry=carry))
+    assert b.patch.decode().count("+import os\n") == 2
+    assert next(c for c in b.manifest["verification"] if c["check"] == "carry_survival")["ok"]
+
+
+def test_a_step_bringing_back_a_symbol_the_carry_removes_is_a_conflict(tmp_path, fake_repos, make_options,
+                                                                        monkeypatch):
+    cls = "class PackedSeqParams:\n    cp_group = None\n"
+    monkeypatch.setitem(REGISTRY, "restore_cls", lambda text, path: Result(text + "\n\n" + cls))
+    step = {"id": "adapt-restore", "kind": "adaptation", "path": PSP, "transform": "restore_cls",
+            "why": "a step that brings back a class the carry removes"}
+    carry = _carry(tmp_path, {PSP: (PACKED, PACKED.replace(cls, "CP_GROUP = None\n"))})
+    with pytest.raises(ApplyError) as exc:
+        build(make_options(_recipe(fake_repos, tmp_path, step), carry=carry))
+    msg = exc.value.message
+    assert exc.value.exit_code == 6 and f"carry:{PSP}#1" in msg and "brings back PackedSeqParams" in msg
+    assert "recipe step adapt-restore" in msg
