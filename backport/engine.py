@@ -262,8 +262,12 @@ class _Run:
         elif isinstance(step, AddFile):
             state = self.file(step.path)
             if state.exists_in_base or state.exists:
+                mine = next((h.oid for h in self._live_hunks(step.path)), None) if not state.exists_in_base else None
                 raise ApplyError(f"step {step.id}: {step.path} already exists in the "
-                                 f"{'base tree' if state.exists_in_base else 'carried patch'}.")
+                                 f"{'base tree' if state.exists_in_base else 'carried patch'}"
+                                 + (f" ({mine}); the step would replace the carried file." if mine else "."),
+                                 hint="Drop the file from the carried patch (the recipe adds it), or carry your "
+                                      "changes as edits on top of the recipe's file." if mine else None)
             state.replace_text((ADAPTATIONS / step.template).read_text(encoding="utf-8"), step.id)
             self.origins[step.id] = {"kind": "adaptation", "template": step.template, "adapts": step.adapts,
                                      "why": step.why, "status": "applied"}

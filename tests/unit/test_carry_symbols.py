@@ -240,3 +240,14 @@ def test_a_step_bringing_back_a_symbol_the_carry_removes_is_a_conflict(tmp_path,
     msg = exc.value.message
     assert exc.value.exit_code == 6 and f"carry:{PSP}#1" in msg and "brings back PackedSeqParams" in msg
     assert "recipe step adapt-restore" in msg
+
+
+def test_add_file_over_a_carried_new_file_names_the_carried_hunk(tmp_path, fake_repos, make_options):
+    path = "megatron/core/ssm/gdn_context_parallel.py"
+    carry = tmp_path / "down.patch"
+    carry.write_text(git_diff(tmp_path / "carry-src", {"README.md": "x\n"},
+                              {"README.md": "x\n", path: "LINEAR_CP_MODES = ('headwise',)  # CARRY\n"}))
+    with pytest.raises(ApplyError) as exc:
+        build(make_options(_recipe(fake_repos, tmp_path), carry=carry))
+    assert exc.value.exit_code == 6 and f"(carry:{path}#1)" in exc.value.message
+    assert "step add-gdn-cp" in exc.value.message and "Drop the file" in exc.value.hint
