@@ -89,6 +89,18 @@ def _culprits(conflict: dict, hunks: list) -> list:
     return found or list(hunks)
 
 
+def _kept_by_new(conflict: dict) -> bool:
+    """A conflict that is only an alignment artefact: the step inserted its own lines next to
+    the carried ones and kept them, so the new side holds the carried side whole (contiguous)
+    and none of the base lines the carry dropped."""
+    new, base, carried = conflict["new"], conflict["base"], conflict["carried"]
+    if not any(ln.strip() for ln in carried):
+        return False
+    inside = any(new[i:i + len(carried)] == carried for i in range(len(new) - len(carried) + 1))
+    dropped = [ln for ln in base if ln not in carried and ln.strip()]
+    return inside and not any(ln in new for ln in dropped)
+
+
 def _first_conflicting_line(conflict: dict) -> str:
     base = set(conflict["base"])
     for line in conflict["carried"]:
@@ -166,6 +178,8 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
         if n:
             blocking = []
             for c in _conflicts(merged):
+                if _kept_by_new(c):
+                    continue
                 live = [h for h in _culprits(c, own) if h.oid not in superseded]
                 if live:
                     blocking.append((live[0], c))

@@ -251,3 +251,22 @@ def test_add_file_over_a_carried_new_file_names_the_carried_hunk(tmp_path, fake_
         build(make_options(_recipe(fake_repos, tmp_path), carry=carry))
     assert exc.value.exit_code == 6 and f"(carry:{path}#1)" in exc.value.message
     assert "step add-gdn-cp" in exc.value.message and "Drop the file" in exc.value.hint
+
+
+def test_carried_field_where_the_transform_inserts_its_own_merges(tmp_path, fake_repos, make_options):
+    cfg = (DATA / "transformer_config.py").read_text()
+    doc = '    """How attention exchanges keys and values across CP ranks."""\n'
+    user = cfg.replace(doc, doc + "\n    carry_field: int = 3  # CARRY30\n")
+    b = build(make_options(_recipe(fake_repos, tmp_path, CONFIG_STEP), carry=_carry(tmp_path, {CFG: (cfg, user)})))
+    patch = b.patch.decode()
+    assert "+    carry_field: int = 3  # CARRY30\n" in patch and 'linear_cp_mode: str = "headwise"' in patch
+    assert next(c for c in b.manifest["verification"] if c["check"] == "carry_survival")["ok"]
+
+
+def test_alignment_artefact_is_told_from_a_real_conflict():
+    from backport.transforms.merge import _kept_by_new
+
+    kept = {"new": ["R\n", "\n", "C\n"], "base": [], "carried": ["\n", "C\n"]}
+    real = {"new": ["x = 3\n"], "base": ["x = 1\n"], "carried": ["x = 2\n"]}
+    undone = {"new": ["R\n", "gone\n", "C\n"], "base": ["gone\n"], "carried": ["C\n"]}
+    assert _kept_by_new(kept) and not _kept_by_new(real) and not _kept_by_new(undone)
