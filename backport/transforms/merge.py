@@ -9,7 +9,8 @@ the body before the step, carry included). Symbols are those where the carried l
 (``CarryHunk.line_symbols``), not the hunk header's anchor. Identical changes on both sides
 merge cleanly, so steps that edit in place are unaffected. A step that replaces or removes a
 symbol the carry added fails unless its version is identical; one that brings back a
-symbol the carry removed fails. A real conflict fails
+symbol the carry removed fails. A step whose version still holds every carried change is
+left as it is (no merge), and a merge that would repeat a carried line fails. A real conflict fails
 (exit 6) naming the carried hunk (file, hunk number, first conflicting line) and the step,
 unless every conflicting hunk is declared ``superseded`` in the recipe: then the new body
 wins there.
@@ -87,6 +88,37 @@ def _culprits(conflict: dict, hunks: list) -> list:
     lines = set(conflict["carried"]) | set(conflict["base"])
     found = [h for h in hunks if (set(h.added) | set(h.removed)) & lines]
     return found or list(hunks)
+
+
+def _carried_lines(hunks: list, qual: str) -> tuple[list, list]:
+    """Added and removed lines of ``hunks`` that land in ``qual`` (or a symbol inside it)."""
+    added, removed = [], []
+    for h in hunks:
+        if not h.line_symbols:
+            added += h.added
+            removed += h.removed
+            continue
+        for sign, line, sym in h.line_symbols:
+            if sym is not None and (sym == qual or sym.startswith(qual + ".")):
+                (added if sign == "+" else removed).append(line)
+    return added, removed
+
+
+def _count(lines: list, line: str) -> int:
+    return sum(1 for x in lines if x.rstrip("\r\n") == line)
+
+
+def _distinct(lines: list) -> list:
+    return sorted({ln.rstrip("\r\n") for ln in lines if ln.strip()})
+
+
+def _keeps(after: list, before: list, added: list, removed: list) -> bool:
+    """Whether the step's version of a symbol still holds every carried change that the
+    version before the step held (the ``carry_survival`` rule, by line counts)."""
+    for line in _distinct(added):
+        if _count(after, line) < min(_count(added, line), _count(before, line)):
+            return False
+    return all(_count(after, line) <= _count(before, line) for line in _distinct(removed))
 
 
 def _kept_by_new(conflict: dict) -> bool:
@@ -174,6 +206,9 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
         b_lines, c_lines, a_lines = (split_lines(t)[s:e] for t, (s, e) in zip((base, before, after), spans))
         if c_lines == b_lines or a_lines == c_lines:
             continue
+        added, removed = _carried_lines(own, qual)
+        if _keeps(a_lines, c_lines, added, removed):
+            continue  # the step kept every carried change here: nothing to merge back
         merged, n = merge3("".join(a_lines), "".join(b_lines), "".join(c_lines))
         if n:
             blocking = []
@@ -191,6 +226,14 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
                     f"({what}), which rewrites {qual}: first conflicting line {_first_conflicting_line(c)!r}.",
                     hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
             merged, _ = merge3("".join(a_lines), "".join(b_lines), "".join(c_lines), favour_ours=True)
+        doubled = next((ln for ln in _distinct(added) if _count(split_lines(merged), ln)
+                        > max(_count(c_lines, ln), _count(a_lines, ln))), None)
+        if doubled is not None:
+            h = next((h for h in own if h.oid not in superseded), own[0])
+            raise ApplyError(
+                f"carried hunk {h.n} of {h.path} ({h.oid}, in {qual}) conflicts with recipe step {step.id} "
+                f"({what}), which rewrites {qual}: merging them would repeat the carried line {doubled!r}.",
+                hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
         lines = split_lines(after)
         s, e = spans[2]
         candidate = "".join(lines[:s] + split_lines(merged) + lines[e:])

@@ -270,3 +270,25 @@ def test_alignment_artefact_is_told_from_a_real_conflict():
     real = {"new": ["x = 3\n"], "base": ["x = 1\n"], "carried": ["x = 2\n"]}
     undone = {"new": ["R\n", "gone\n", "C\n"], "base": ["gone\n"], "carried": ["C\n"]}
     assert _kept_by_new(kept) and not _kept_by_new(real) and not _kept_by_new(undone)
+
+
+def test_carried_line_where_a_step_inserts_is_kept_once(tmp_path, fake_repos, make_options):
+    user = gdn_text().replace(INIT_ANCHOR, INIT_ANCHOR + "        self.carry_attr = 5  # CARRY40\n")
+    b = build(make_options(_recipe(fake_repos, tmp_path, GDN_STEPS[0]), carry=_carry(tmp_path, {GDN: (gdn_text(), user)})))
+    patch = b.patch.decode()
+    assert patch.count("self.carry_attr = 5  # CARRY40") == 1 and "check_linear_cp_geometry" in patch
+
+
+def test_merge_does_not_repeat_a_carried_line_the_step_kept(tmp_path):
+    from backport.transforms.merge import merge_carried_functions
+
+    base = "class L:\n    def __init__(self):\n        self.a = 1\n\n        # proj\n        self.p = 2\n"
+    carried = base.replace("        self.a = 1\n", "        self.a = 1\n        self.carry_attr = 5  # CARRY40\n")
+    (tmp_path / "base" / "m").mkdir(parents=True)
+    (tmp_path / "base" / "m" / "l.py").write_text(base)
+    (tmp_path / "c.patch").write_text(git_diff(tmp_path / "src", {"m/l.py": base}, {"m/l.py": carried}))
+    carry, _ws = carry_workspace(tmp_path / "c.patch", tmp_path / "base")
+    after = carried.replace("        self.a = 1\n", "        self.a = 1\n\n        check(\n            self.a,\n        )\n")
+    step = types.SimpleNamespace(id="adapt-check", kind="adaptation", transform="add_check")
+    out = merge_carried_functions(base, carried, after, carry.hunks, step, "m/l.py", set())
+    assert out == after and out.count("# CARRY40") == 1
