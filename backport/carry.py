@@ -75,6 +75,10 @@ class CarryHunk:
         added, removed: the hunk's added and removed lines (keepends).
         symbol: enclosing class/function qualname in the base (``""`` module level; None unknown).
         offset: lines from the expected position (GNU patch counting); set when applied.
+        added_at: 0-based lines of the file right after the carry that this hunk added.
+        line_symbols: ``(sign, line, symbol)`` per added (``+``, symbol in the file right after
+            the carry) and removed (``-``, symbol in the base) line: the innermost class or
+            function where the line actually lands (``""`` module level; None not Python).
     """
 
     oid: str
@@ -86,6 +90,8 @@ class CarryHunk:
     removed: list
     symbol: Optional[str] = None
     offset: int = 0
+    added_at: list = field(default_factory=list)
+    line_symbols: list = field(default_factory=list)
 
 
 @dataclass
@@ -274,6 +280,21 @@ def git_apply_tree(carry: Carry, base_tree: Path) -> tuple[Optional[dict], str]:
         return out, ""
 
 
+def _place_lines(hunks: list, state: FileState, base_text: Optional[str]) -> None:
+    """Fill ``added_at`` and ``line_symbols`` of ``hunks`` (all of one file, already applied)."""
+    carried_spans = symbol_spans(state.text)
+    base_spans = symbol_spans(base_text) if base_text is not None else []
+    base_lines = split_lines(base_text or "")
+    for h in hunks:
+        h.added_at = [i for i, tag in enumerate(state.tags) if tag == ("origin", h.oid) and state.lines[i] in h.added]
+        h.line_symbols = [("+", state.lines[i], enclosing_symbol(carried_spans, i)) for i in h.added_at]
+        removed = [("-", base_lines[i], enclosing_symbol(base_spans, i))
+                   for i, oid in sorted(state.removed_by.items()) if oid == h.oid and i < len(base_lines)]
+        if len(removed) < len(h.removed):  # a renamed/copied file: removed lines are not base lines
+            removed = [("-", line, h.symbol) for line in h.removed]
+        h.line_symbols += removed
+
+
 def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Optional[str]], base_tree: Path,
                 origins: dict, warn: Callable[[str], None] = lambda _m: None) -> None:
     """Apply ``carry`` to ``ws`` (paths already checked), record origins, prove it equals git apply.
@@ -323,6 +344,8 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
                               "status": "applied", "why": f"hunk {h.n} of {cf.path} in the carried patch"}
             if h.offset:
                 warn(f"warning: carried hunk {h.oid} placed at offset {h.offset:+d} lines")
+        if cf.kind != "delete" and cf.hunks:
+            _place_lines(cf.hunks, state, base_text)
         if cf.kind == "delete":
             if state.lines:
                 raise ApplyError(f"carried patch {name}: deleting {cf.old_path} leaves {len(state.lines)} lines.",

@@ -21,16 +21,16 @@ from unidiff import PatchSet
 
 from . import __version__
 from .carry import apply_carry, check_paths, load_carry, read_base
-from .errors import ApplyError, PinError, RecipeError, SourceError, UsageError
+from .errors import ApplyError, BindingExists, PinError, PipelineError, RecipeError, SourceError, UsageError
+from .gitenv import isolated
 from .recipe import AddFile, Recipe, Transform, Transplant, UpstreamFile, UpstreamHunks, check_coverage, load_recipe
 from .sources import Source, default_cache_dir, open_source
 from .transforms import REGISTRY
-from .transforms.merge import merge_carried_functions
+from .transforms.merge import CONFLICT_HINT, merge3, merge_carried_functions
 from .transforms.transplant import transplant
 from .tree import assemble_base_tree
 from .upstream import UpstreamHunk, load_hunks
-from .gitenv import isolated
-from .workspace import Workspace, check_tree_path, split_lines
+from .workspace import FileState, Workspace, bindings, bindings_at, check_tree_path, new_bindings, split_lines
 
 ADAPTATIONS = Path(__file__).resolve().parent / "adaptations"
 GIT_ENV = {
@@ -158,6 +158,9 @@ class _Run:
         self.carry_model = None
         self.carried_text: dict[str, Optional[str]] = {}
         self._upstream_parent: dict[str, Optional[str]] = {}
+        #: path -> the file after the recipe steps so far, without the carry (the ancestor of the
+        #: three-way merges); None when a step could not run on it (then the base is used)
+        self.shadow: dict[str, Optional[str]] = {}
 
     def base_text(self, path: str) -> Optional[str]:
         return read_base(self.base_tree, path)
@@ -201,13 +204,38 @@ class _Run:
                 self._upstream_parent[path] = None
         return self._upstream_parent[path]
 
+    def _live_hunks(self, path: str) -> list:
+        if self.carry_model is None:
+            return []
+        return [h for h in self.carry_model.hunks if h.path == path
+                and self.origins.get(h.oid, {}).get("status") != "superseded"]
+
+    def _shadow_step(self, path: str, fn: Callable[[str], str]) -> None:
+        """Run the step on the carry-free copy of ``path`` (only for paths the carry touches)."""
+        if self.carry_model is None or not any(h.path == path for h in self.carry_model.hunks):
+            return
+        if path not in self.shadow:
+            self.shadow[path] = self.base_text(path)
+        if self.shadow[path] is None:
+            return
+        try:
+            self.shadow[path] = fn(self.shadow[path])
+        except PipelineError:
+            self.shadow[path] = None
+
+    def _ancestor(self, path: str) -> Optional[str]:
+        text = self.shadow.get(path, self.base_text(path))
+        return text if text is not None else self.base_text(path)
+
     def _apply_step(self, step) -> None:
         if isinstance(step, UpstreamFile):
             content = self.mlm.read(self.upstream_sha, step.path).decode()
             state = self.file(step.path)
             if state.exists_in_base and state.text == content:
                 raise ApplyError(f"step {step.id}: {step.path} is already identical to upstream at the base.")
+            self._check_whole_file(step, state.text, content)
             state.replace_text(content, step.hunks[0])
+            self._shadow_step(step.path, lambda _t: content)
             for hid in step.hunks:
                 self.origins[hid] = self._upstream_origin(hid, "upstream-verbatim", step, offset=0)
         elif isinstance(step, UpstreamHunks):
@@ -215,10 +243,19 @@ class _Run:
                 uh = self.hunks[hid]
                 source = self._upstream_source(uh.path)
                 kwargs = {"source_text": source, "source_symbol": "?"} if source is not None else {}
+                state = self.file(uh.path)
+                before, tags = state.text, list(state.tags)
                 try:
-                    offset = self.file(uh.path).apply_hunk(uh.hunk, hid, **kwargs)
+                    offset = state.apply_hunk(uh.hunk, hid, **kwargs)
                 except ApplyError as exc:
                     raise ApplyError(f"step {step.id}: {exc.message}", hint=exc.hint) from exc
+                self._check_bindings(step, uh.path, before, state.text, tags)
+
+                def on_shadow(text, uh=uh, hid=hid, kwargs=kwargs):
+                    fs = FileState.from_base(uh.path, text)
+                    fs.apply_hunk(uh.hunk, hid, **kwargs)
+                    return fs.text
+                self._shadow_step(uh.path, on_shadow)
                 self.origins[hid] = self._upstream_origin(hid, "upstream-verbatim", step, offset=offset)
                 if offset:
                     self.warn(f"warning: upstream hunk {hid} placed at offset {offset:+d} lines")
@@ -226,14 +263,21 @@ class _Run:
             state = self.file(step.path)
             up_text = self.mlm.read(step.commit, step.path).decode()
             new = transplant(state.text, up_text, step.symbols, step.path, step.commit[:12])
+            before, tags = state.text, list(state.tags)
             state.replace_text(self._merge_carry(step, state.text, new), step.id)
+            self._check_bindings(step, step.path, before, state.text, tags)
+            self._shadow_step(step.path, lambda t: transplant(t, up_text, step.symbols, step.path, step.commit[:12]))
             self.origins[step.id] = {"kind": "prerequisite", "commit": step.commit, "upstream_ref": step.upstream_ref,
                                      "symbols": step.symbols, "why": step.why, "status": "applied"}
         elif isinstance(step, AddFile):
             state = self.file(step.path)
             if state.exists_in_base or state.exists:
+                mine = next((h.oid for h in self._live_hunks(step.path)), None) if not state.exists_in_base else None
                 raise ApplyError(f"step {step.id}: {step.path} already exists in the "
-                                 f"{'base tree' if state.exists_in_base else 'carried patch'}.")
+                                 f"{'base tree' if state.exists_in_base else 'carried patch'}"
+                                 + (f" ({mine}); the step would replace the carried file." if mine else "."),
+                                 hint="Drop the file from the carried patch (the recipe adds it), or carry your "
+                                      "changes as edits on top of the recipe's file." if mine else None)
             state.replace_text((ADAPTATIONS / step.template).read_text(encoding="utf-8"), step.id)
             self.origins[step.id] = {"kind": "adaptation", "template": step.template, "adapts": step.adapts,
                                      "why": step.why, "status": "applied"}
@@ -242,8 +286,15 @@ class _Run:
             if fn is None:
                 raise RecipeError(f"step {step.id}: unknown transform {step.transform!r}; known: {', '.join(sorted(REGISTRY))}.")
             state = self.file(step.path)
-            result = fn(state.text, step.path)
+            try:
+                result = fn(state.text, step.path)
+            except BindingExists as exc:
+                self._binding_conflict(step, step.path, state.text, state.tags, exc)
+                raise
+            before, tags = state.text, list(state.tags)
             changed = state.replace_text(self._merge_carry(step, state.text, result.text), step.id)
+            self._check_bindings(step, step.path, before, state.text, tags)
+            self._shadow_step(step.path, lambda t: fn(t, step.path).text)
             status = result.status if changed or result.status == "already-present" else "no-op"
             if status == "no-op":
                 raise ApplyError(f"step {step.id}: transform {step.transform} changed nothing in {step.path}.")
@@ -251,15 +302,90 @@ class _Run:
             self.origins[step.id] = {"kind": kind, "transform": step.transform, "adapts": step.adapts,
                                      "why": step.why, "status": status}
 
+    def _what(self, step) -> str:
+        return f"transform {step.transform}" if getattr(step, "transform", None) else step.kind
+
+    def _carried_bindings(self, path: str, text: str, tags: list) -> dict:
+        """``(scope, name) -> carried hunk`` for every module/class-level name whose binding
+        statement holds a line a live carried hunk added (by the line tags of ``text``)."""
+        out = {}
+        for h in self._live_hunks(path):
+            at = [i for i, tag in enumerate(tags) if tag == ("origin", h.oid)]
+            for key in sorted(bindings_at(text, at)):
+                out.setdefault(key, h)
+        return out
+
+    def _check_bindings(self, step, path: str, before: str, after: str, tags: list) -> None:
+        """A step must not bind again a name that a carried line binds (a second field, def or
+        import of that name would override or shadow the carried one); a second binding of
+        the identical form (the same import, the same statement) is accepted.
+
+        Raises:
+            ApplyError (exit 6): naming the carried hunk, the name and the step.
+        """
+        mine = self._carried_bindings(path, before, tags)
+        if not mine or before == after:
+            return
+        twice = new_bindings(before, after, mine)
+        if twice:
+            key = twice[0]
+            h, (scope, name) = mine[key], key
+            was = bindings(before) or {}
+            line = split_lines(before)[was[key][0][0]].rstrip("\r\n") if was.get(key) else name
+            raise ApplyError(
+                f"carried hunk {h.n} of {h.path} ({h.oid}, in {scope or 'module level'}) conflicts with recipe "
+                f"step {step.id} ({self._what(step)}), which binds {name} again in {scope or 'module level'}: "
+                f"first conflicting line {line!r}.",
+                hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
+
+    def _binding_conflict(self, step, path: str, text: str, tags: list, exc: BindingExists) -> None:
+        """Re-raise a transform's :class:`BindingExists` naming the carried hunk that binds the
+        name (or wrote the line it names), when there is one (else the caller re-raises ``exc``
+        itself, exit 6 all the same)."""
+        h = self._carried_bindings(path, text, tags).get((exc.scope, exc.name))
+        if h is None:  # not a module/class-level binding: the carried hunk that wrote that line
+            h = next((h for h in self._live_hunks(path)
+                      if 0 < exc.lineno <= len(tags) and tags[exc.lineno - 1] == ("origin", h.oid)), None)
+        if h is None:
+            return
+        line = split_lines(text)[exc.lineno - 1].rstrip("\r\n") if 0 < exc.lineno <= len(split_lines(text)) else ""
+        raise ApplyError(
+            f"carried hunk {h.n} of {h.path} ({h.oid}, in {exc.scope or 'module level'}) conflicts with recipe step "
+            f"{step.id} ({self._what(step)}), which adds {exc.name} to {exc.scope or 'module level'} again: first "
+            f"conflicting line {line!r}.", hint=CONFLICT_HINT.format(oid=h.oid, step=step.id)) from exc
+
+    def _check_whole_file(self, step, before: str, content: str) -> None:
+        """An ``upstream_file`` step replaces a file the carry changed: fine only when upstream's
+        file already holds every carried change (a clean three-way merge gives upstream's bytes).
+
+        Raises:
+            ApplyError (exit 6): naming the first carried hunk whose change upstream's file lacks.
+        """
+        live = self._live_hunks(step.path)
+        ancestor = self._ancestor(step.path) or ""
+        if not live or before == ancestor:
+            return
+        merged, n = merge3(content, ancestor, before)
+        if n == 0 and merged == content:
+            return
+        h = next((h for h in live if any(ln not in split_lines(content) for ln in h.added)
+                  or any(ln in split_lines(content) for ln in h.removed)), live[0])
+        line = next((ln for ln in h.added if ln not in split_lines(content) and ln.strip()), (h.added or h.removed or [""])[0])
+        raise ApplyError(
+            f"carried hunk {h.n} of {h.path} ({h.oid}) conflicts with recipe step {step.id} (upstream_file), which "
+            f"takes {step.path} whole from upstream: first conflicting line {line.rstrip(chr(13) + chr(10))!r}.",
+            hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
+
     def _merge_carry(self, step, before: str, after: str) -> str:
         """``after`` with the carried changes to functions the step rewrote merged back in
-        (three-way: base body, carried body, new body); ``after`` itself without a carry."""
+        (three-way: ancestor the file before the step without the carry, ours the step's
+        result, theirs the file before the step); ``after`` itself without a carry."""
         if self.carry_model is None or before == after:
             return after
         hunks = [h for h in self.carry_model.hunks if h.path == step.path]
         if not hunks:
             return after
-        base = self.base_text(step.path)
+        base = self._ancestor(step.path)
         if base is None:
             return after
         superseded = {k for k, v in self.origins.items() if v.get("status") == "superseded"}

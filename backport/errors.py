@@ -68,6 +68,21 @@ class ApplyError(PipelineError):
     default_hint = "The base tree changed under the recipe; update the recipe step named above."
 
 
+class BindingExists(ApplyError):
+    """A transform would add a name (field, attribute, def, import) that the file already binds
+    differently; the engine names the carried hunk that binds it (exit 6).
+
+    Attributes:
+        scope: qualname of the class/function holding the binding (``""`` module level).
+        name: the bound name.
+        lineno: 1-based line of the existing binding in the text given to the transform.
+    """
+
+    def __init__(self, message: str, scope: str, name: str, lineno: int, hint=None):
+        super().__init__(message, hint=hint)
+        self.scope, self.name, self.lineno = scope, name, lineno
+
+
 class VerificationError(PipelineError):
     """A verification check on the generated patch failed."""
 

@@ -23,7 +23,7 @@ from unidiff import PatchSet
 
 from .errors import VerificationError
 from .recipe import UpstreamFile
-from .workspace import split_lines, symbol_spans
+from .workspace import bindings_at, new_bindings, split_lines, symbol_spans
 
 CONFLICT = re.compile(r"^(<{7}|={7}|>{7})( |$)")
 
@@ -200,24 +200,53 @@ def carry_survival(run) -> dict:
             if run.origins.get(h.oid, {}).get("status") == "superseded":
                 superseded += 1
                 continue
-            where = f"carried hunk {h.n} of {h.path} ({h.oid}) in {h.symbol or 'module level'}"
-            final = _region(final_text, h.symbol)
-            if final is None:
-                _fail("carry_survival", f"{where}: {h.symbol} no longer exists in the output", hint=_SURVIVAL_HINT)
-            before = _region(carried_text, h.symbol) or []
-            for line in _distinct(h.added):
-                need = sum(1 for x in h.added if x.rstrip("\r\n") == line)
-                if final.count(line) < min(need, before.count(line)):
-                    _fail("carry_survival", f"{where}: added line {line.strip()!r} is missing from the output",
-                          hint=_SURVIVAL_HINT)
-            for line in _distinct(h.removed):
-                if final.count(line) > before.count(line):
-                    _fail("carry_survival", f"{where}: removed line {line.strip()!r} is back in the output",
-                          hint=_SURVIVAL_HINT)
+            for sign, symbol, lines in _by_symbol(h):
+                where = f"carried hunk {h.n} of {h.path} ({h.oid}) in {symbol or 'module level'}"
+                final = _region(final_text, symbol)
+                if final is None:
+                    if sign == "-":
+                        continue  # the symbol is gone, and with it every removed line
+                    _fail("carry_survival", f"{where}: {symbol} no longer exists in the output", hint=_SURVIVAL_HINT)
+                before = _region(carried_text, symbol) or []
+                for line in _distinct(lines):
+                    if sign == "+":
+                        need = sum(1 for x in lines if x.rstrip("\r\n") == line)
+                        if final.count(line) < min(need, before.count(line)):
+                            _fail("carry_survival", f"{where}: added line {line.strip()!r} is missing from the "
+                                  "output", hint=_SURVIVAL_HINT)
+                    elif final.count(line) > before.count(line):
+                        _fail("carry_survival", f"{where}: removed line {line.strip()!r} is back in the output",
+                              hint=_SURVIVAL_HINT)
+            twice = _twice_bound(carried_text, final_text, h)
+            if twice:
+                scope, name = twice
+                _fail("carry_survival", f"carried hunk {h.n} of {h.path} ({h.oid}): {name} is bound again in "
+                      f"{scope or 'module level'} of the output after the carried binding", hint=_SURVIVAL_HINT)
             checked += 1
     detail = (f"{checked} carried hunk(s): added lines present, removed lines absent, in their symbols"
               + (f"; {superseded} superseded by the recipe" if superseded else ""))
     return {"check": "carry_survival", "ok": True, "detail": detail}
+
+
+def _by_symbol(h) -> list:
+    """``(sign, symbol, lines)`` groups of a carried hunk's added/removed lines by the symbol
+    each line lands in (``line_symbols``); the hunk's anchor symbol when they are unknown."""
+    if not h.line_symbols:
+        return [("+", h.symbol, list(h.added)), ("-", h.symbol, list(h.removed))]
+    groups: dict = {}
+    for sign, line, symbol in h.line_symbols:
+        groups.setdefault((sign, symbol if symbol is not None else h.symbol), []).append(line)
+    return [(sign, symbol, lines) for (sign, symbol), lines in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))]
+
+
+def _twice_bound(carried_text: str, final_text: str, h):
+    """A ``(scope, name)`` the hunk's added lines bind that the output binds more often than the
+    carried file does (a step added a second field/def/import of that name), else None."""
+    mine = bindings_at(carried_text, h.added_at)
+    if not mine:
+        return None
+    twice = new_bindings(carried_text, final_text, mine)
+    return twice[0] if twice else None
 
 
 def _distinct(lines: list) -> list:

@@ -105,6 +105,72 @@ def symbol_spans(text: str) -> Optional[list[tuple[int, int, str]]]:
     return spans
 
 
+def _bound_names(stmt) -> list[str]:
+    """Names a module- or class-level statement binds (defs, classes, assignments, imports)."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [stmt.name]
+    if isinstance(stmt, ast.AnnAssign):
+        return [stmt.target.id] if isinstance(stmt.target, ast.Name) else []
+    if isinstance(stmt, ast.Assign):
+        return [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        return [(a.asname or a.name).split(".")[0] for a in stmt.names if a.name != "*"]
+    return []
+
+
+def _binding_form(stmt, name: str) -> str:
+    """What a statement binds ``name`` to, comparable across files: the imported object for
+    an import, else the statement's AST (comments and layout ignored)."""
+    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        alias = next(a for a in stmt.names if (a.asname or a.name).split(".")[0] == name)
+        return f"import {'.' * getattr(stmt, 'level', 0)}{getattr(stmt, 'module', '') or ''}:{alias.name}"
+    return ast.dump(stmt)
+
+
+def bindings(text: str) -> Optional[dict]:
+    """``{(scope, name): [(first, last, form), ...]}``: every name bound at module level (scope
+    ``""``) or directly in a class body (scope: the class qualname), with the 0-based inclusive
+    line span of each binding statement (decorators included) and its form
+    (:func:`_binding_form`), in file order; None when ``text`` is not valid Python."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    out: dict = {}
+
+    def walk(body, scope):
+        for stmt in body:
+            first = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])]) - 1
+            for name in _bound_names(stmt):
+                out.setdefault((scope, name), []).append((first, stmt.end_lineno - 1, _binding_form(stmt, name)))
+            if isinstance(stmt, ast.ClassDef):
+                walk(stmt.body, (scope + "." if scope else "") + stmt.name)
+
+    walk(tree.body, "")
+    return out
+
+
+def bindings_at(text: str, lines: Sequence[int]) -> set:
+    """``(scope, name)`` of every module/class-level binding whose statement holds one of the
+    0-based ``lines`` of ``text`` (empty for invalid Python)."""
+    found = bindings(text) or {}
+    return {key for key, spans in found.items() for first, last, _form in spans
+            if any(first <= ln <= last for ln in lines)}
+
+
+def new_bindings(before: str, after: str, keys) -> list:
+    """Of ``keys`` (``(scope, name)``), those ``after`` binds more often than ``before`` does
+    with a form ``before`` does not already give it (an identical second import or statement
+    is not a new binding), sorted."""
+    was, now = bindings(before) or {}, bindings(after) or {}
+    out = []
+    for key in sorted(keys):
+        old, new = was.get(key, []), now.get(key, [])
+        if len(new) > len(old) and not {f for *_, f in new} <= {f for *_, f in old}:
+            out.append(key)
+    return out
+
+
 def enclosing_symbol(spans: Optional[list], line: int) -> Optional[str]:
     """Innermost qualname whose span holds 0-based ``line``; ``""`` for module level; None if unknown."""
     if spans is None:

@@ -8,12 +8,13 @@ Anchors are upstream symbol names at the base (85bced0a): ``TransformerConfig``
 from __future__ import annotations
 
 import ast
+import textwrap
 from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
 
-from ..errors import ApplyError
+from ..errors import ApplyError, BindingExists
 from . import Result, register
 from .cst import code_of, find_class, find_function, parse, replace_node, statements
 
@@ -43,6 +44,42 @@ def _blank_line_before(stmt):
     while lines and lines[0].comment is None:
         lines.pop(0)
     return stmt.with_changes(leading_lines=[cst.EmptyLine(indent=False)] + lines)
+
+
+def _existing_binding(module, cls, name: str):
+    """The statement of ``cls``'s body (a field, attribute, def or class) that binds ``name``."""
+    for stmt in cls.body.body:
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) and stmt.name.value == name:
+            return stmt
+        if _is_ann_assign(stmt, name) or _is_assign(stmt, name):
+            return stmt
+    return None
+
+
+def _binding_exists(module, stmt, scope: str, name: str, path: str) -> BindingExists:
+    line = module.code_for_node(stmt).strip().splitlines()[0] if stmt is not None else name
+    pos = _line_of(module, stmt)
+    return BindingExists(
+        f"{path}: {scope} already binds {name} ({line!r}, line {pos}); the transform would add it again "
+        "and override or shadow it.", scope=scope, name=name, lineno=pos,
+        hint="Drop that binding from the carried patch (the recipe adds it), or give it the recipe's exact form.")
+
+
+def _normalised(code: str) -> str:
+    """``code`` without comments and whitespace, for comparing forms of one statement."""
+    return ast.dump(ast.parse(textwrap.dedent(code).strip()))
+
+
+def _line_of(module, stmt) -> int:
+    """1-based line of ``stmt`` (its first non-blank line) in ``module``."""
+    from libcst.metadata import MetadataWrapper, PositionProvider
+
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    positions = wrapper.resolve(PositionProvider)
+    for node, pos in positions.items():
+        if node is stmt:
+            return pos.start.line
+    return 0
 
 
 def _replace_method(module, cls, name, new_fn, path):
@@ -91,8 +128,14 @@ def gdn_config_linear_cp_mode(text: str, path: str = "transformer_config.py") ->
     if idx + 1 < len(body) and _is_docstring(body[idx + 1]):
         idx += 1
     field = statements(LINEAR_CP_FIELD)
-    field[0] = _blank_line_before(field[0])
-    body[idx + 1:idx + 1] = field
+    existing = _existing_binding(module, cls, "linear_cp_mode")
+    if existing is not None and code_of(existing, module).strip() == code_of(field[0], module).strip():
+        pass  # exactly our field (our docstring may differ): already there, kept as written
+    elif existing is not None:
+        raise _binding_exists(module, existing, "TransformerConfig", "linear_cp_mode", path)
+    else:
+        field[0] = _blank_line_before(field[0])
+        body[idx + 1:idx + 1] = field
     new_cls = cls.with_changes(body=cls.body.with_changes(body=body))
 
     post_init = find_function(new_cls.body.body, "__post_init__", f"{path}: TransformerConfig")
@@ -143,7 +186,29 @@ def gdn_imports(text: str, path: str = "gated_delta_net.py") -> Result:
     idx = next((i for i, s in enumerate(body) if m.matches(s, anchor)), None)
     if idx is None:
         raise ApplyError(f"{path}: anchor `from megatron.core.process_groups_config import ...` not found.")
+    bound = _module_bindings(text)
+    inserted = 0
     for stmt in statements(GDN_IMPORTS):
+        mod = _from_module(stmt)
+        names = [cst.Module(body=[]).code_for_node(a.name) for a in stmt.body[0].names]
+        missing = []
+        for name in names:
+            node = bound.get(name)
+            if node is None:
+                missing.append(name)
+            elif not (isinstance(node, ast.ImportFrom) and node.module == mod and node.level == 0
+                      and any(a.name == name and (a.asname or a.name) == name for a in node.names)):
+                raise BindingExists(
+                    f"{path}: the module already binds {name} ({ast.unparse(node).splitlines()[0]!r}, line "
+                    f"{node.lineno}); the transform would import it again from {mod} and shadow it.",
+                    scope="", name=name, lineno=node.lineno,
+                    hint="Drop that binding from the carried patch, or import the name from the module the "
+                         "recipe uses.")
+        if not missing:
+            continue  # already imported exactly so
+        if missing != names:
+            stmt = statements(f"from {mod} import {', '.join(missing)}\n")[0]
+        inserted += 1
         at = _sorted_import_index(body, idx, _from_module(stmt))
         if at <= idx:
             idx += 1
@@ -153,7 +218,25 @@ def gdn_imports(text: str, path: str = "gated_delta_net.py") -> Result:
             body[at + 1] = body[at + 1].with_changes(leading_lines=[])
         else:
             body.insert(at, stmt.with_changes(leading_lines=[]))
+    if not inserted:
+        return Result(text, "already-present")
     return Result(module.with_changes(body=body).code)
+
+
+def _module_bindings(text: str) -> dict:
+    """Module-level name -> the ``ast`` statement that binds it last (imports, defs, assignments)."""
+    out = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                out[(a.asname or a.name).split(".")[0]] = node
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                if isinstance(t, ast.Name):
+                    out[t.id] = node
+    return out
 
 
 def _from_module(stmt) -> str:
@@ -203,6 +286,17 @@ def gdn_init_check_linear_cp(text: str, path: str = "gated_delta_net.py") -> Res
     if idx is None:
         raise ApplyError(f"{path}: anchor `self.v_dim_local_tp = ...` in GatedDeltaNet.__init__ not found.")
     new = statements(GDN_INIT_CHECK)
+    existing = next((st for st in body if m.findall(st, m.Call(func=m.Attribute(attr=m.Name("check_linear_cp_geometry"))
+                                                               | m.Name("check_linear_cp_geometry")))), None)
+    if existing is not None:
+        if _normalised(code_of(existing, module)) == _normalised(code_of(new[0], module)):
+            return Result(text, "already-present")
+        raise BindingExists(
+            f"{path}: GatedDeltaNet.__init__ already calls check_linear_cp_geometry "
+            f"({code_of(existing, module).strip().splitlines()[-1]!r}, line {_line_of(module, existing)}) in "
+            "another form; the transform would check the CP mode twice, differently.",
+            scope="GatedDeltaNet.__init__", name="check_linear_cp_geometry", lineno=_line_of(module, existing),
+            hint="Drop the check from the carried patch (the recipe adds it), or give it the recipe's exact form.")
     new[0] = _blank_line_before(new[0])
     body[idx + 1:idx + 1] = new
     new_init = init.with_changes(body=init.body.with_changes(body=body))
@@ -235,8 +329,20 @@ def gdn_prepare_qkv_headwise_cp_size(text: str, path: str = "gated_delta_net.py"
     cls = find_class(module, "GatedDeltaNet", path)
     fn = find_function(cls.body.body, "_prepare_qkv_for_gated_delta_rule", f"{path}: GatedDeltaNet")
     params = list(fn.params.params)
-    if any(p.name.value == "cp_size_headwise" for p in params):
-        return Result(text, "already-present")
+    have = next((p for p in params if p.name.value == "cp_size_headwise"), None)
+    if have is not None:
+        if not (isinstance(have.default, cst.Integer) and have.default.value == "1" and have.annotation is None):
+            pos = _line_of(module, have)
+            raise BindingExists(
+                f"{path}: GatedDeltaNet.{fn.name.value} already has a parameter cp_size_headwise in another form "
+                f"({code_of(have, module).strip().rstrip(',')!r}, line {pos}); the transform adds "
+                "cp_size_headwise=1.", scope=f"GatedDeltaNet.{fn.name.value}", name="cp_size_headwise", lineno=pos,
+                hint="Drop the parameter from the carried patch (the recipe adds it), or give it the recipe's "
+                     "exact form (cp_size_headwise=1).")
+        new_fn = fn.visit(_SelfAttrToName("cp_size", "cp_size_headwise"))
+        if code_of(new_fn, module) == code_of(fn, module):
+            return Result(text, "already-present")
+        return Result(replace_node(module, fn, new_fn, path).code)
     params.append(cst.Param(name=cst.Name("cp_size_headwise"), default=cst.Integer("1"),
                             equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))))
     new_fn = fn.with_changes(params=fn.params.with_changes(params=params))

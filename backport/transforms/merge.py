@@ -3,9 +3,14 @@
 A transform such as ``gdn_linear_cp_forward`` replaces a whole function body; a carried
 downstream edit inside that function would vanish. For every function (or class) a carried
 hunk touched, :func:`merge_carried_functions` merges base body -> carried body into the new
-body with ``git merge-file`` (ancestor: the function at the pristine base; ours: the body
-after the step; theirs: the body before the step, carry included). Identical changes on
-both sides merge cleanly, so steps that edit in place are unaffected. A real conflict fails
+body with ``git merge-file`` (ancestor: the symbol after the earlier steps without the
+carry, so earlier steps' changes are on every side; ours: the body after the step; theirs:
+the body before the step, carry included). Symbols are those where the carried lines land
+(``CarryHunk.line_symbols``), not the hunk header's anchor. Identical changes on both sides
+merge cleanly, so steps that edit in place are unaffected. A step that replaces or removes a
+symbol the carry added fails unless its version is identical; one that brings back a
+symbol the carry removed fails. A step whose version still holds every carried change is
+left as it is (no merge), and a merge that would repeat a carried line fails. A real conflict fails
 (exit 6) naming the carried hunk (file, hunk number, first conflicting line) and the step,
 unless every conflicting hunk is declared ``superseded`` in the recipe: then the new body
 wins there.
@@ -85,6 +90,49 @@ def _culprits(conflict: dict, hunks: list) -> list:
     return found or list(hunks)
 
 
+def _carried_lines(hunks: list, qual: str) -> tuple[list, list]:
+    """Added and removed lines of ``hunks`` that land in ``qual`` (or a symbol inside it)."""
+    added, removed = [], []
+    for h in hunks:
+        if not h.line_symbols:
+            added += h.added
+            removed += h.removed
+            continue
+        for sign, line, sym in h.line_symbols:
+            if sym is not None and (sym == qual or sym.startswith(qual + ".")):
+                (added if sign == "+" else removed).append(line)
+    return added, removed
+
+
+def _count(lines: list, line: str) -> int:
+    return sum(1 for x in lines if x.rstrip("\r\n") == line)
+
+
+def _distinct(lines: list) -> list:
+    return sorted({ln.rstrip("\r\n") for ln in lines if ln.strip()})
+
+
+def _keeps(after: list, before: list, added: list, removed: list) -> bool:
+    """Whether the step's version of a symbol still holds every carried change that the
+    version before the step held (the ``carry_survival`` rule, by line counts)."""
+    for line in _distinct(added):
+        if _count(after, line) < min(_count(added, line), _count(before, line)):
+            return False
+    return all(_count(after, line) <= _count(before, line) for line in _distinct(removed))
+
+
+def _kept_by_new(conflict: dict) -> bool:
+    """A conflict that is only an alignment artefact: the step inserted its own lines next to
+    the carried ones and kept them, so the new side holds the carried side whole (contiguous)
+    and none of the base lines the carry dropped."""
+    new, base, carried = conflict["new"], conflict["base"], conflict["carried"]
+    if not any(ln.strip() for ln in carried):
+        return False
+    inside = any(new[i:i + len(carried)] == carried for i in range(len(new) - len(carried) + 1))
+    dropped = [ln for ln in base if ln not in carried and ln.strip()]
+    return inside and not any(ln in new for ln in dropped)
+
+
 def _first_conflicting_line(conflict: dict) -> str:
     base = set(conflict["base"])
     for line in conflict["carried"]:
@@ -101,7 +149,8 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
     """Merge the carried delta of every function/class the carry touched into ``after``.
 
     Args:
-        base: the file at the pristine base.
+        base: the ancestor: the file after the earlier steps without the carry (the pristine
+            base when that could not be computed).
         before: the file before the step (carry and earlier steps applied).
         after: the file the step produced.
         hunks: carried hunks of this file (:class:`~backport.carry.CarryHunk`, with ``symbol``).
@@ -112,38 +161,79 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
         ``after`` with the carried changes merged back (unchanged when nothing was lost).
 
     Raises:
-        ApplyError (exit 6): a real conflict with a carried hunk that is not superseded,
-            naming file, hunk number, first conflicting line and the step.
+        ApplyError (exit 6): a real conflict with a carried hunk that is not superseded, or a
+            carry-added symbol the step replaced or removed, naming file, hunk number, first
+            conflicting line and the step.
     """
-    symbols = sorted({h.symbol for h in hunks if h.symbol})
+    def syms(h) -> set:
+        return {sym for _, _, sym in h.line_symbols if sym} | ({h.symbol} if h.symbol else set())
+
+    symbols = sorted(set().union(*(syms(h) for h in hunks)) if hunks else set())
+    what = f"transform {step.transform}" if getattr(step, "transform", None) else step.kind
     # innermost first would merge twice; keep only outermost touched symbols that are functions
     # or classes present in all three versions
     for qual in symbols:
         if any(qual.startswith(other + ".") for other in symbols if other != qual):
             continue
         spans = [_span(t, qual) for t in (base, before, after)]
+        own = [h for h in hunks if any(s == qual or s.startswith(qual + ".") for s in syms(h))]
+        if spans[0] is None and spans[1] is not None:  # the carry added this symbol
+            c_lines = split_lines(before)[spans[1][0]:spans[1][1]]
+            a_lines = split_lines(after)[spans[2][0]:spans[2][1]] if spans[2] else []
+            live = [h for h in own if h.oid not in superseded]
+            if a_lines != c_lines and live:
+                h = live[0]
+                lost = next((ln for ln in c_lines if ln not in a_lines and ln.strip()), c_lines[0] if c_lines else "")
+                verb = "removes" if spans[2] is None else "replaces"
+                raise ApplyError(
+                    f"carried hunk {h.n} of {h.path} ({h.oid}, in {qual}) conflicts with recipe step {step.id} "
+                    f"({what}), which {verb} {qual}, a symbol the carried patch adds: first conflicting line "
+                    f"{lost.rstrip(chr(13) + chr(10))!r}.",
+                    hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
+            continue
+        if spans[0] is not None and spans[1] is None and spans[2] is not None:  # the carry removed it
+            live = [h for h in own if h.oid not in superseded]
+            if live:
+                h = live[0]
+                back = split_lines(after)[spans[2][0]].rstrip("\r\n")
+                raise ApplyError(
+                    f"carried hunk {h.n} of {h.path} ({h.oid}, in {qual}) conflicts with recipe step {step.id} "
+                    f"({what}), which brings back {qual}, a symbol the carried patch removes: first conflicting "
+                    f"line {back!r}.", hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
+            continue
         if None in spans:
             continue
         b_lines, c_lines, a_lines = (split_lines(t)[s:e] for t, (s, e) in zip((base, before, after), spans))
         if c_lines == b_lines or a_lines == c_lines:
             continue
-        own = [h for h in hunks if h.symbol == qual or (h.symbol or "").startswith(qual + ".")]
+        added, removed = _carried_lines(own, qual)
+        if _keeps(a_lines, c_lines, added, removed):
+            continue  # the step kept every carried change here: nothing to merge back
         merged, n = merge3("".join(a_lines), "".join(b_lines), "".join(c_lines))
         if n:
             blocking = []
             for c in _conflicts(merged):
+                if _kept_by_new(c):
+                    continue
                 live = [h for h in _culprits(c, own) if h.oid not in superseded]
                 if live:
                     blocking.append((live[0], c))
                     break
             if blocking:
                 h, c = blocking[0]
-                what = f"transform {step.transform}" if getattr(step, "transform", None) else step.kind
                 raise ApplyError(
                     f"carried hunk {h.n} of {h.path} ({h.oid}, in {qual}) conflicts with recipe step {step.id} "
                     f"({what}), which rewrites {qual}: first conflicting line {_first_conflicting_line(c)!r}.",
                     hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
             merged, _ = merge3("".join(a_lines), "".join(b_lines), "".join(c_lines), favour_ours=True)
+        doubled = next((ln for ln in _distinct(added) if _count(split_lines(merged), ln)
+                        > max(_count(c_lines, ln), _count(a_lines, ln))), None)
+        if doubled is not None:
+            h = next((h for h in own if h.oid not in superseded), own[0])
+            raise ApplyError(
+                f"carried hunk {h.n} of {h.path} ({h.oid}, in {qual}) conflicts with recipe step {step.id} "
+                f"({what}), which rewrites {qual}: merging them would repeat the carried line {doubled!r}.",
+                hint=CONFLICT_HINT.format(oid=h.oid, step=step.id))
         lines = split_lines(after)
         s, e = spans[2]
         candidate = "".join(lines[:s] + split_lines(merged) + lines[e:])

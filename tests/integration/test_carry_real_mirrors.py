@@ -4,7 +4,9 @@ The carries are made at run time from the base's own ``gated_delta_net.py`` (rea
 mirror, never committed): a comment line inside ``GatedDeltaNet.forward`` just before the
 input projection, a one-line rename of the projection attribute call, the tuple-index fix
 already present in an equivalent form, and Dynamo disabled by a context manager at the
-call site (which the new forward's call site conflicts with).
+call site (which the new forward's call site conflicts with); class-level lines next to
+code later steps change (merge), a def the transplant would replace and a config field the
+recipe would add again (both exit 6).
 """
 
 from __future__ import annotations
@@ -31,25 +33,25 @@ pytestmark = [
 ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "HOME": "/nonexistent", "TZ": "UTC"}
 
 
-def _base_gdn() -> str:
+def _base_gdn(path: str = GDN) -> str:
     return subprocess.run(["git", "--git-dir", MLM if MLM.endswith(".git") or Path(MLM, "HEAD").exists()
-                           else str(Path(MLM) / ".git"), "show", f"{BASE_SHA}:{GDN}"],
+                           else str(Path(MLM) / ".git"), "show", f"{BASE_SHA}:{path}"],
                           check=True, capture_output=True, env={**os.environ, **ENV}).stdout.decode()
 
 
-def _carry(tmp: Path, edit) -> Path:
-    base = _base_gdn()
+def _carry(tmp: Path, edit, path: str = GDN) -> Path:
+    base = _base_gdn(path)
     new = edit(base)
     assert new != base, "the edit did not apply to the base file; the base changed"
     repo = tmp / "src"
-    (repo / Path(GDN).parent).mkdir(parents=True)
+    (repo / Path(path).parent).mkdir(parents=True)
     env = {**os.environ, **ENV}
     run = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True, env=env).stdout  # noqa: E731
     run("init", "-q")
-    (repo / GDN).write_text(base)
+    (repo / path).write_text(base)
     run("add", "-A")
     run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "base")
-    (repo / GDN).write_text(new)
+    (repo / path).write_text(new)
     path = tmp / "downstream.patch"
     path.write_bytes(run("diff", "--full-index"))
     return path
@@ -125,3 +127,38 @@ def test_call_site_context_manager_conflicting_with_the_new_forward_is_exit_6(tm
     assert exc.value.exit_code == 6
     assert f"carried hunk 1 of {GDN}" in msg and "recipe step adapt-gdn-forward" in msg
     assert "first conflicting line" in msg and "superseded" in exc.value.hint
+
+
+@pytest.mark.parametrize("edit, added", [
+    (lambda t: t.replace('    """\n\n    def __init__(', '    """\n\n    carry_flag = True  # CARRY21\n\n    def __init__(', 1),
+     "+    carry_flag = True  # CARRY21\n"),
+    (lambda t: t.replace("    def forward(", "    @torch._dynamo.disable\n    def forward(", 1),
+     "+    @torch._dynamo.disable\n"),
+])
+def test_class_level_carried_lines_are_not_refused_by_later_steps(tmp_path, cache, edit, added):
+    b = _build(cache, _carry(tmp_path, edit))
+    assert added in b.patch.decode()
+    assert {c["check"]: c["ok"] for c in b.manifest["verification"]}["carry_survival"]
+
+
+def test_carried_def_replaced_by_the_transplant_is_exit_6(tmp_path, cache):
+    psp = "megatron/core/packed_seq_params.py"
+    carry = _carry(tmp_path, lambda t: t + ('\n\ndef resolve_cp_group(static_cp_group, packed_seq_params=None):\n'
+                                            '    """CARRY7 downstream version."""\n'
+                                            "    return static_cp_group  # CARRY7\n"), psp)
+    with pytest.raises(ApplyError) as exc:
+        _build(cache, carry)
+    msg = exc.value.message
+    assert exc.value.exit_code == 6 and f"carry:{psp}#1" in msg and "in resolve_cp_group" in msg
+    assert "recipe step prereq-resolve-cp-group (transplant)" in msg and "first conflicting line" in msg
+
+
+def test_carried_field_bound_again_by_the_config_step_is_exit_6(tmp_path, cache):
+    cfg = "megatron/core/transformer/transformer_config.py"
+    carry = _carry(tmp_path, lambda t: t.replace("    hidden_size: int", '    linear_cp_mode: str = "chunkwise"  # CARRY22\n'
+                                                 "    hidden_size: int", 1), cfg)
+    with pytest.raises(ApplyError) as exc:
+        _build(cache, carry)
+    msg = exc.value.message
+    assert exc.value.exit_code == 6 and f"carry:{cfg}#1" in msg and "recipe step adapt-config-linear-cp-mode" in msg
+    assert "linear_cp_mode" in msg and "CARRY22" in msg
