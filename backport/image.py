@@ -16,7 +16,6 @@ Flow of ``make image`` / ``make gate``::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -35,6 +34,7 @@ from typing import Callable, Iterable, Optional
 from . import tree_digest as td
 from .errors import ImageError
 from .image_lock import parse_lock
+from .tree_digest import sha256_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -198,14 +198,6 @@ class Inputs:
     torch_wheel: Path = CPU_TORCH_WHEEL
     #: The committed lock of the backport (tree digests: base_tree_sha256, patched_tree_sha256).
     tree_lock: Path = REPO_ROOT / "manifests" / "lock.json"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def tree_digest(parent: Path) -> str:

@@ -35,7 +35,8 @@ def _ignored(name: str) -> bool:
     return name in ("__pycache__", ".pytest_cache") or name.endswith((".pyc", ".pyo"))
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -67,7 +68,7 @@ def listing(parent: Path, sub: str = "megatron") -> dict:
             if p.is_symlink():
                 out[rel] = f"L {rel} {os.readlink(p)}"
             else:
-                out[rel] = f"F {rel} {_sha256_file(p)} {'x' if p.stat().st_mode & 0o111 else '-'}"
+                out[rel] = f"F {rel} {sha256_file(p)} {'x' if p.stat().st_mode & 0o111 else '-'}"
     return dict(sorted(out.items()))
 
 
