@@ -140,13 +140,17 @@ def test_apply_script_checks_both_digests_on_the_locked_tree(tmp_path):
     assert td.tree_digest(root / "tree") == trees["patched_tree_sha256"]
 
 
-@needs_patch
-@pytest.mark.parametrize("kind, named", [
+# The four drifts issue 14 names, and the file each must be reported as.
+DRIFTS = [
     ("above-hunk", "megatron/core/mod.py (changed)"),
     ("changed", "megatron/core/other.py (changed)"),
     ("missing", "megatron/core/other.py (missing)"),
     ("extra", "megatron/core/zz_extra.py (extra)"),
-])
+]
+
+
+@needs_patch
+@pytest.mark.parametrize("kind, named", DRIFTS)
 def test_apply_script_refuses_a_drifted_pristine_tree(tmp_path, kind, named):
     root = _scratch_root(tmp_path)
     _drift(root / "base", kind)
@@ -210,12 +214,7 @@ def inputs(tmp_path) -> img.Inputs:
 
 
 @needs_patch
-@pytest.mark.parametrize("kind, named", [
-    ("above-hunk", "megatron/core/mod.py (changed)"),
-    ("changed", "megatron/core/other.py (changed)"),
-    ("missing", "megatron/core/other.py (missing)"),
-    ("extra", "megatron/core/zz_extra.py (extra)"),
-])
+@pytest.mark.parametrize("kind, named", DRIFTS)
 def test_preflight_refuses_a_drifted_tree_with_exit_13(inputs, kind, named):
     _drift(inputs.tree, kind)
     with pytest.raises(img.TreeDrift) as info:
