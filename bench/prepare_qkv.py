@@ -19,10 +19,13 @@ the helper "triggers a torch.compile/Dynamo failure" on a Qwen3.6 model. This sc
    interleaved in one process, plus the base tree's ``GatedDeltaNet`` code loaded beside the
    patched one (``--base-tree``; same FLA, same process): the patch's own cost, same call.
 
-Policies (``--policies``): ``tree`` (as the tree has it), ``eager`` (undecorated),
-``jit_fuser`` (``torch.compile``, the base tree's form), ``dynamic`` (``torch.compile(dynamic=
-True)``), ``l2norm_eager`` (compiled, with FLA's ``l2norm`` excluded from Dynamo so the graph
-breaks around it), ``l2norm_eager_dynamic`` (the same with ``dynamic=True``).
+Policies (``--policies``): ``tree`` (as the tree has it), ``eager`` (the helper op by op, as
+the patch before ``adapt-gdn-prepare-qkv-fused-copies`` ran it: split, reshape, ``l2norm``,
+``repeat_interleave``, ``contiguous``; :func:`eager_reference`), ``jit_fuser``
+(``torch.compile`` of that, the base tree's form), ``dynamic`` (``torch.compile(dynamic=True)``),
+``l2norm_eager`` (compiled, with FLA's ``l2norm`` excluded from Dynamo so the graph breaks
+around it), ``l2norm_eager_dynamic`` (the same with ``dynamic=True``). Scenarios compare every
+policy with ``eager``.
 
 Run (one GPU): ``torchrun --nproc_per_node 1 bench/prepare_qkv.py --out X.json``. Writes JSON
 after every part. ``--cpu-smoke`` runs tiny shapes on CPU with the FLA stand-ins of
@@ -34,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import inspect
 import json
 import logging
 import os
@@ -89,6 +91,30 @@ def plain_counters(torch):
 
     return {k: {str(kk): vv for kk, vv in sorted(v.items(), key=lambda kv: -kv[1])[:8]}
             for k, v in counters.items() if v}
+
+
+def eager_reference(gdn):
+    """The helper computed op by op, eagerly (the bench's baseline; our own code): returns a
+    function ``(self, qkv, gate, beta, alpha, batch, seq_len, cp_size_headwise=1)`` giving
+    query, key ``[b, s, h_v, d_k]``, value, gate ``[b, s, h_v, d_v]``, beta, alpha ``[b, s, h_v]``,
+    all contiguous. FLA's ``l2norm`` is looked up in ``gdn`` at each call."""
+    import torch
+
+    def prepare(self, qkv, gate, beta, alpha, batch, seq_len, cp_size_headwise=1):
+        qk_dim = self.qk_dim_local_tp // cp_size_headwise
+        qk, v = torch.split(qkv, [2 * qk_dim, self.v_dim_local_tp // cp_size_headwise], dim=-1)
+        qk = qk.reshape(batch, seq_len, -1, self.key_head_dim)
+        if self.use_qk_l2norm:
+            qk = gdn.l2norm(qk.contiguous())
+        heads = qk_dim // self.key_head_dim
+        q, k = qk[:, :, :heads], qk[:, :, heads:]
+        group = self.num_value_heads // self.num_key_heads
+        if group > 1:
+            q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+        v = v.reshape(batch, seq_len, -1, self.value_head_dim)
+        return tuple(t.contiguous() for t in (q, k, v, gate, beta, alpha))
+
+    return prepare
 
 
 def policy_function(torch, raw, policy):
@@ -331,7 +357,8 @@ def _swap(obj, name, value):
 
 
 def part_layer(ctx, policies, seqs):
-    """Whole CP=1 layer, forward+backward, variants interleaved round by round."""
+    """Whole CP=1 layer, forward+backward, variants interleaved round by round (one record per
+    entry of ``seqs``, in order)."""
     torch, gdn, args = ctx["torch"], ctx["gdn"], ctx["args"]
     variants = [(p, None) for p in policies]
     base_mod = None
@@ -344,6 +371,9 @@ def part_layer(ctx, policies, seqs):
                 setattr(base_mod, name, getattr(fla_emulation, name))
         variants.append(("base_code", base_mod))
     out = []
+    # One Dynamo reset for the whole part: a later length recompiles the jit_fuser code (then with
+    # dynamic shapes, as in a job whose lengths change), so list a length twice to see that.
+    torch._dynamo.reset()
     for T in seqs:
         layers = {}
         for name, mod in variants:
@@ -353,7 +383,6 @@ def part_layer(ctx, policies, seqs):
         gy = torch.randn_like(x)
         samples = {name: [] for name, _ in variants}
         syncs = {}
-        torch._dynamo.reset()
         for r in range(args.rounds):
             for name, mod in variants:
                 lay = layers[name]
@@ -417,7 +446,7 @@ def main(argv=None):
     import megatron.core.ssm.gated_delta_net as gdn
 
     tree_fn = gdn.GatedDeltaNet.__dict__[NAME]
-    raw = inspect.unwrap(tree_fn)
+    raw = eager_reference(gdn)
     policies = [p for p in args.policies.split(",") if p]
     seqs = [int(s) for s in args.seq.split(",") if s]
     ctx = {"torch": torch, "gdn": gdn, "args": args, "device": device, "dtype": dtype, "cpu": args.cpu_smoke,

@@ -238,8 +238,9 @@ def forward(
     else:
         assert self.activation in ["silu", "swish"]
         conv_kwargs = {"cp_context": chunkwise_cp_context} if plan.chunkwise else kernel_kwargs
+        # FLA's conv reads x through its strides, so the split view needs no copy.
         qkv, _ = causal_conv1d(
-            x=qkv.contiguous(),
+            x=qkv,
             weight=conv1d_weight.squeeze(1),  # d, 1, w -> d, w
             bias=conv1d_bias,
             activation=self.activation,

@@ -565,6 +565,62 @@ def fix_prepare_qkv_no_dynamo(text: str, path: str = "gated_delta_net.py") -> Re
     return Result(replace_node(module, fn, new_fn, path).code)
 
 
+PREPARE_QKV_TEMPLATE = "gated_delta_net_prepare_qkv.py"
+
+
+@register("gdn_prepare_qkv_fused_copies")
+def gdn_prepare_qkv_fused_copies(text: str, path: str = "gated_delta_net.py") -> Result:
+    """Our adaptation (beyond upstream): the body of
+    ``GatedDeltaNet._prepare_qkv_for_gated_delta_rule`` becomes two ``jit_fuser`` functions
+    around an eager FLA ``l2norm`` (``backport/adaptations/gated_delta_net_prepare_qkv.py``);
+    the method keeps its decorator and signature, so Dynamo still never traces it (fix 7a).
+
+    The two functions go right after ``class GatedDeltaNet``. When the method body and both
+    functions already have the template's form, the text is returned unchanged
+    (``already-present``).
+
+    Raises:
+        ApplyError: anchors missing, or the method lacks the ``cp_size_headwise`` parameter
+            (the ``gdn_prepare_qkv_headwise_cp_size`` step must run first).
+        BindingExists: the module already binds one of the two names in another form.
+    """
+    module = parse(text, path)
+    cls = find_class(module, "GatedDeltaNet", path)
+    fn = find_function(cls.body.body, _PREPARE, f"{path}: GatedDeltaNet")
+    if not any(p.name.value == "cp_size_headwise" for p in fn.params.params):
+        raise ApplyError(f"{path}: GatedDeltaNet.{_PREPARE} has no cp_size_headwise parameter; the recipe's "
+                         "gdn_prepare_qkv_headwise_cp_size step must run before gdn_prepare_qkv_fused_copies.")
+    template = cst.parse_module((ADAPTATIONS / PREPARE_QKV_TEMPLATE).read_text(encoding="utf-8"))
+    new_body = find_function(find_class(template, "GatedDeltaNet", PREPARE_QKV_TEMPLATE).body.body, _PREPARE,
+                             PREPARE_QKV_TEMPLATE).body
+    helpers = [st for st in template.body if isinstance(st, cst.FunctionDef)]
+    bound = _module_bindings(text)
+    missing = []
+    for helper in helpers:
+        node = bound.get(helper.name.value)
+        if node is None:
+            missing.append(helper)
+        elif _normalised(ast.unparse(node)) != _normalised(template.code_for_node(helper)):
+            pos = node.lineno
+            raise BindingExists(
+                f"{path}: the module already binds {helper.name.value} ({ast.unparse(node).splitlines()[0]!r}, "
+                f"line {pos}) in another form; the transform would define it again.",
+                scope="", name=helper.name.value, lineno=pos,
+                hint="Drop that definition from the carried patch (the recipe adds it), or give it the "
+                     "recipe's exact form.")
+    same_body = _normalised(code_of(fn.body, module)) == _normalised(template.code_for_node(new_body))
+    if same_body and not missing:
+        return Result(text, "already-present")
+    if not same_body:
+        module = replace_node(module, fn, fn.with_changes(body=new_body), path)
+    if missing:
+        body = list(module.body)
+        at = next(i for i, st in enumerate(body) if isinstance(st, cst.ClassDef) and st.name.value == "GatedDeltaNet")
+        body[at + 1:at + 1] = [h.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()]) for h in missing]
+        module = module.with_changes(body=body)
+    return Result(module.code)
+
+
 def _index_kind(index: ast.expr, fn: ast.FunctionDef, at_line: int) -> str:
     """``tuple`` (basic indexing), ``list`` (the base form ``slices`` list) or ``unknown``."""
     if isinstance(index, ast.Tuple):

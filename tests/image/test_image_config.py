@@ -143,6 +143,62 @@ def test_prepare_qkv_is_excluded_from_dynamo_only():
         assert not getattr(getattr(GatedDeltaNet, other), "_torchdynamo_disable", False), other
 
 
+def _prepare_by_hand(qkv, gate, beta, alpha, b, s, k_heads, v_heads, dk, dv, cp, l2norm):
+    """query, key, value, gate, beta, alpha as the gated delta rule wants them, op by op."""
+    import torch
+
+    qk_dim, v_dim = k_heads * dk // cp, v_heads * dv // cp
+    qk, v = qkv[..., : 2 * qk_dim], qkv[..., 2 * qk_dim :]
+    qk = l2norm(qk.reshape(b, s, -1, dk).contiguous())
+    q, k = qk[:, :, : k_heads // cp], qk[:, :, k_heads // cp :]
+    q = torch.stack([q] * (v_heads // k_heads), dim=3).flatten(2, 3)
+    k = torch.stack([k] * (v_heads // k_heads), dim=3).flatten(2, 3)
+    return q, k, v.reshape(b, s, -1, dv), gate, beta, alpha
+
+
+@pytest.mark.parametrize("k_heads, v_heads, cp, batch", [(4, 8, 1, 1), (4, 8, 2, 2), (2, 6, 1, 1), (4, 4, 2, 1)])
+def test_prepare_qkv_matches_the_op_by_op_helper_in_value_and_gradient(k_heads, v_heads, cp, batch):
+    """The fused-copies adaptation computes what the eager helper did: every output equal and
+    contiguous, every input gradient equal (GQA repeat 1, 2, 3; headwise CP split 1 and 2)."""
+    need_tree()
+    import types
+
+    import torch
+
+    import megatron.core.ssm.gated_delta_net as gdn
+
+    def l2norm(x):
+        return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+
+    dk, dv, s = 8, 16, 12
+    layer = types.SimpleNamespace(qk_dim_local_tp=k_heads * dk, v_dim_local_tp=v_heads * dv, key_head_dim=dk,
+                                  value_head_dim=dv, use_qk_l2norm=True, num_value_heads=v_heads,
+                                  num_key_heads=k_heads)
+    g = torch.Generator().manual_seed(k_heads * 10 + v_heads + cp)
+    width = (2 * k_heads * dk + v_heads * dv) // cp
+    hv = v_heads // cp
+    leaves = [torch.randn(batch, s, width, generator=g), torch.randn(batch, s, hv, dv, generator=g),
+              torch.randn(batch, s, hv, generator=g), torch.randn(batch, s, hv, generator=g)]
+    runs = []
+    for fn in ("tree", "hand"):
+        xs = [t.clone().requires_grad_(True) for t in leaves]
+        if fn == "tree":
+            orig, gdn.l2norm = gdn.l2norm, l2norm
+            try:
+                outs = gdn.GatedDeltaNet._prepare_qkv_for_gated_delta_rule(layer, *xs, batch, s, cp)
+            finally:
+                gdn.l2norm = orig
+        else:
+            outs = _prepare_by_hand(*xs, batch, s, k_heads, v_heads, dk, dv, cp, l2norm)
+        loss = sum(((i + 1) * o).sum() for i, o in enumerate(outs))
+        runs.append((outs, torch.autograd.grad(loss, xs)))
+    (tree_out, tree_grad), (hand_out, hand_grad) = runs
+    for a, b in zip(tree_out, hand_out):
+        assert a.is_contiguous() and a.shape == b.shape and torch.equal(a, b)
+    for a, b in zip(tree_grad, hand_grad):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
 class _FakeGroup:
     def __init__(self, size, rank):
         self._size, self._rank = size, rank

@@ -23,7 +23,7 @@ FIXES = ["fix_prepare_qkv_no_dynamo", "fix_local_cp_tuple_index"]
 def test_registry_lists_the_gdn_transforms():
     assert sorted(REGISTRY) == sorted([
         "gdn_config_linear_cp_mode", "gdn_imports", "gdn_init_check_linear_cp", "gdn_linear_cp_forward",
-        "gdn_prepare_qkv_headwise_cp_size", "gdn_local_cp_none_group", *FIXES])
+        "gdn_prepare_qkv_headwise_cp_size", "gdn_prepare_qkv_fused_copies", "gdn_local_cp_none_group", *FIXES])
 
 
 def test_registering_a_name_twice_is_refused():
@@ -169,9 +169,59 @@ def test_a_fix_already_carried_is_not_duplicated(name, carried_old, carried_new,
     assert result.text.count(marker) == 1
 
 
+def _with_cp_size(text=GDN):
+    """The stand-in after the steps that run before gdn_prepare_qkv_fused_copies."""
+    text = REGISTRY["gdn_prepare_qkv_headwise_cp_size"](text, "gated_delta_net.py").text
+    return REGISTRY["fix_prepare_qkv_no_dynamo"](text, "gated_delta_net.py").text
+
+
+def test_fused_copies_replace_the_body_only_and_add_two_jit_fuser_functions_after_the_class():
+    before = _with_cp_size()
+    result = REGISTRY["gdn_prepare_qkv_fused_copies"](before, "gated_delta_net.py")
+    assert result.status == "applied"
+    tree = ast.parse(result.text)
+    names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert names == ["GatedDeltaNet", "_split_query_key_value", "_expand_query_key_heads", "get_parameter_local_cp"]
+    for fn in [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith(("_split", "_expand"))]:
+        assert [ast.unparse(d) for d in fn.decorator_list] == ["jit_fuser"]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef))
+    method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "_prepare_qkv_for_gated_delta_rule")
+    # fix 7a stays: the method itself is still kept away from Dynamo, signature unchanged
+    assert [ast.unparse(d) for d in method.decorator_list] == ["torch.compiler.disable"]
+    assert [a.arg for a in method.args.args] == ["self", "qkv", "batch", "cp_size_headwise"]
+    calls = [ast.unparse(c.func) for c in sorted((c for c in ast.walk(method) if isinstance(c, ast.Call)),
+                                                 key=lambda c: (c.lineno, c.col_offset))]
+    assert calls == ["_split_query_key_value", "l2norm", "_expand_query_key_heads"]
+    # nothing else in the file changed
+    start, end = result.text.index("        \"\"\"\n        Prepare"), result.text.index("\n\n\n@jit_fuser")
+    old_start = before.index("        heads = qkv")
+    assert result.text[:start] == before[:old_start]
+    assert result.text.endswith(before[before.index("\n\n\ndef get_parameter_local_cp"):])
+
+
+def test_fused_copies_twice_is_already_present():
+    once = REGISTRY["gdn_prepare_qkv_fused_copies"](_with_cp_size(), "gated_delta_net.py")
+    twice = REGISTRY["gdn_prepare_qkv_fused_copies"](once.text, "gated_delta_net.py")
+    assert (once.status, twice.status) == ("applied", "already-present")
+    assert twice.text == once.text
+
+
+def test_fused_copies_need_the_cp_size_step_first():
+    with pytest.raises(ApplyError, match="gdn_prepare_qkv_headwise_cp_size step must run before") as exc:
+        REGISTRY["gdn_prepare_qkv_fused_copies"](GDN, "pkg/mod.py")
+    assert exc.value.exit_code == 6 and "pkg/mod.py" in exc.value.message
+
+
+def test_fused_copies_refuse_a_carried_function_of_the_same_name_in_another_form():
+    carried = _with_cp_size() + "\n\ndef _expand_query_key_heads(x):\n    return x\n"
+    with pytest.raises(ApplyError, match="already binds _expand_query_key_heads") as exc:
+        REGISTRY["gdn_prepare_qkv_fused_copies"](carried, "gated_delta_net.py")
+    assert "recipe adds it" in exc.value.hint
+
+
 def test_transforms_are_deterministic():
     for name in sorted(REGISTRY):
-        src = CONFIG if "config" in name else GDN
+        src = CONFIG if "config" in name else _with_cp_size() if name == "gdn_prepare_qkv_fused_copies" else GDN
         assert REGISTRY[name](src, "x.py") == REGISTRY[name](src, "x.py")
 
 
