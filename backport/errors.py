@@ -5,7 +5,7 @@ should do. The CLI prints ``error: <message>`` then ``hint: <hint>`` on stderr a
 exits with ``exit_code``. Exit codes are documented in the README. Anything else that
 escapes (an ``OSError`` from a full disk, a bug) is turned into the same two lines by
 :func:`describe_unexpected`, with exit code 1. The image pipeline's errors (exit codes 9-14)
-subclass :class:`PipelineError` in ``image/errors.py``.
+subclass :class:`PipelineError` in ``image_pipeline/errors.py``.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def _add_existing(data):
 
 def test_the_readme_table_lists_exactly_the_codes_the_tool_uses():
     from backport import errors
-    from image import errors as image_errors
+    from image_pipeline import errors as image_errors
 
     table = readme_table()
     classes = {}

@@ -17,17 +17,17 @@ import pytest
 
 from backport.errors import PipelineError
 from backport.tree_digest import lock_fields
-from image import cli as image_cli
-from image.build import (FLA_PIN, TREE_DIGEST_SCRIPT, BuildTracker, build_args, classify_build_error, expected_labels,
+from image_pipeline import cli as image_cli
+from image_pipeline.build import (FLA_PIN, TREE_DIGEST_SCRIPT, BuildTracker, build_args, classify_build_error, expected_labels,
                          host_ca_bundle, image_tags, one_line_change, rebuilt_layers, stage_context)
-from image.engine import (DiskPeak, check_disk, docker_client, docker_storage, ensure_base_image, min_free_gib,
+from image_pipeline.engine import (DiskPeak, check_disk, docker_client, docker_storage, ensure_base_image, min_free_gib,
                           pull_image)
-from image.errors import (BaseImageMissing, BuildStepFailed, DiskSpaceError, DockerUnavailable, GateFailed,
+from image_pipeline.errors import (BaseImageMissing, BuildStepFailed, DiskSpaceError, DockerUnavailable, GateFailed,
                           ImageError, InputError)
-from image.gate import gate_verdict, parse_junit, require_gate_ok, write_json
-from image.inputs import (CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, Inputs, preflight, read_tree_lock,
+from image_pipeline.gate import gate_verdict, parse_junit, require_gate_ok, write_json
+from image_pipeline.inputs import (CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, Inputs, preflight, read_tree_lock,
                           torch_lock_hashes, tree_digest)
-from image.lock import LockEntry, parse_lock, parse_report, render_lock
+from image_pipeline.lock import LockEntry, parse_lock, parse_report, render_lock
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"

@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 
 from backport.tree_digest import lock_fields
-from image.build import IMAGE_REPO, BuildResult, BuildTracker, build_args, build_image, host_ca_bundle, stage_context
-from image.engine import docker_client, ensure_base_image, image_exists
-from image.errors import BuildStepFailed, DockerUnavailable, GateFailed, TreeDrift
-from image.gate import require_gate_ok, run_gate
-from image.inputs import CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, Inputs, flavour_lock, preflight
-from image.lock import parse_lock
+from image_pipeline.build import IMAGE_REPO, BuildResult, BuildTracker, build_args, build_image, host_ca_bundle, stage_context
+from image_pipeline.engine import docker_client, ensure_base_image, image_exists
+from image_pipeline.errors import BuildStepFailed, DockerUnavailable, GateFailed, TreeDrift
+from image_pipeline.gate import require_gate_ok, run_gate
+from image_pipeline.inputs import CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, Inputs, flavour_lock, preflight
+from image_pipeline.lock import parse_lock
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_REPO = "gdn-megatron-test"
@@ -177,7 +177,7 @@ def _fla_041_lock(tmp_path: Path) -> Path:
 
 
 def img_index() -> str:
-    from image.lock import INDEX_URL
+    from image_pipeline.lock import INDEX_URL
     return INDEX_URL
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from image.build import FLA_PIN, TRITON_PIN, build_args, stage_context
-from image.inputs import CPU_TORCH_WHEEL, FLAVOURS, Inputs, Preflight, flavour_lock
-from image.lock import (BASE_PROVIDED, SDIST_ONLY, TARGETS, LockEntry, base_provided, parse_lock, parse_report,
+from image_pipeline.build import FLA_PIN, TRITON_PIN, build_args, stage_context
+from image_pipeline.inputs import CPU_TORCH_WHEEL, FLAVOURS, Inputs, Preflight, flavour_lock
+from image_pipeline.lock import (BASE_PROVIDED, SDIST_ONLY, TARGETS, LockEntry, base_provided, parse_lock, parse_report,
                         render_lock, requested_requirements, unmet_requirements)
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,11 +17,11 @@ import pytest
 
 from backport import tree_digest as td
 from backport.tree_digest import sha256_file
-from image import cli as image_cli
-from image.build import TREE_DIGEST_SCRIPT, BuildTracker, classify_build_error
-from image.errors import BuildStepFailed, InputError, TreeDrift
-from image.gate import image_tree_check, junit_cases, require_gate_ok, run_gate, tree_check_failure
-from image.inputs import CPU_BASE_IMAGE, FLAVOURS, Inputs, preflight, read_tree_lock, tree_digest
+from image_pipeline import cli as image_cli
+from image_pipeline.build import TREE_DIGEST_SCRIPT, BuildTracker, classify_build_error
+from image_pipeline.errors import BuildStepFailed, InputError, TreeDrift
+from image_pipeline.gate import image_tree_check, junit_cases, require_gate_ok, run_gate, tree_check_failure
+from image_pipeline.inputs import CPU_BASE_IMAGE, FLAVOURS, Inputs, preflight, read_tree_lock, tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"

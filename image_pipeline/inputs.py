@@ -41,7 +41,7 @@ def flavour_lock(flavour: str) -> Path:
 
     cpu: resolved for CPython 3.11 on Debian bookworm (glibc 2.36) next to the cpu torch wheel;
     cuda: resolved for CPython 3.12 on the NGC base (Ubuntu 24.04, glibc 2.39), without what that
-    base provides (``image.lock.BASE_PROVIDED``).
+    base provides (``image_pipeline.lock.BASE_PROVIDED``).
     """
     return REPO_ROOT / "docker" / f"requirements-{flavour}.lock"
 

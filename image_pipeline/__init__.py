@@ -1,7 +1,7 @@
 """The image pipeline: build and gate the training image through docker-py (no docker CLI).
 
-Functions return data and report progress through an ``on_line`` callback; :mod:`image.cli`
-(``tools/image``) prints. Errors are :class:`image.errors.ImageError` subclasses, each with an
+Functions return data and report progress through an ``on_line`` callback; :mod:`image_pipeline.cli`
+(``tools/image``) prints. Errors are :class:`image_pipeline.errors.ImageError` subclasses, each with an
 exit code and a hint that says what to do next.
 
 One module per stage of ``make image`` / ``make gate``::
@@ -14,6 +14,6 @@ One module per stage of ``make image`` / ``make gate``::
     build.build_image()         streamed classic build; a failing step -> BuildStepFailed
     gate.run_gate()             the suite inside the image -> JUnit XML -> verdict -> report
 
-:mod:`image.lock` writes and checks the requirements locks (``tools/image lock``,
-``check-lock``); :mod:`image.errors` holds the error classes and their exit codes.
+:mod:`image_pipeline.lock` writes and checks the requirements locks (``tools/image lock``,
+``check-lock``); :mod:`image_pipeline.errors` holds the error classes and their exit codes.
 """

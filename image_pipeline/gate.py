@@ -103,7 +103,7 @@ IMAGE_TREES = {"base": "/opt/gdn/base", "patched": "/opt/gdn/tree"}
 
 def image_tree_check(client, image_id: str, trees: dict) -> dict:
     """Digest both trees inside the image (its own /opt/gdn/bin/tree_digest.py) and compare
-    them with the lock's ``trees`` (:func:`image.inputs.read_tree_lock`).
+    them with the lock's ``trees`` (:func:`image_pipeline.inputs.read_tree_lock`).
 
     Returns ``{"base": result, "patched": result}``, each as :func:`backport.tree_digest.check`
     returns it (``ok``, ``sha256``, ``want``, ``files``, ``first_difference``); a tree the
@@ -150,7 +150,7 @@ def run_gate(client, image_ref: str, gpus: Optional[bool] = None, on_line: Line 
     """Run the image's suite inside ``image_ref``; returns the report (never raises on test failures).
 
     First the trees: their digests, computed inside the image, must be the lock's ``trees``
-    (:func:`image.inputs.read_tree_lock`; None skips this check and the report says so); a drift refuses the
+    (:func:`image_pipeline.inputs.read_tree_lock`; None skips this check and the report says so); a drift refuses the
     gate without running the suite. ``pytest_args`` are appended to the suite's command line and
     ``environment`` to the container's (tests use both to feed deliberately broken runs).
     """
