@@ -3,7 +3,7 @@
 # which stages the build context; a plain `docker build .` of the repo root does
 # not work, because the tree, the patch and the wheels are generated files.
 #
-# Build context (staged by backport/image.py into build/image/context-<flavour>/):
+# Build context (staged by image_pipeline/build.py into build/image/context-<flavour>/):
 #   Dockerfile
 #   deps/requirements.lock   hash-pinned Python packages of the flavour
 #                            (docker/requirements-cpu.lock or docker/requirements-cuda.lock)

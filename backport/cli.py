@@ -2,7 +2,7 @@
 
 Exit codes: 0 ok; 1 system failure or unexpected error (one line naming the step and path,
 a hint, the traceback in a log file or with --debug); 2 usage; 3 source; 4 pin; 5 recipe;
-6 apply; 7 verification; 8 --check mismatch; 9-14 image (see backport/image.py); 15 busy
+6 apply; 7 verification; 8 --check mismatch; 9-14 image (see image_pipeline/errors.py); 15 busy
 (--no-wait); 130 interrupted. The README's table lists them.
 
 One run at a time per output folder (``build/.gdn/output.lock``, :mod:`backport.locks`); a

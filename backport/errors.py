@@ -4,7 +4,8 @@ Every error carries a distinct exit code and a ``hint``: the next thing the user
 should do. The CLI prints ``error: <message>`` then ``hint: <hint>`` on stderr and
 exits with ``exit_code``. Exit codes are documented in the README. Anything else that
 escapes (an ``OSError`` from a full disk, a bug) is turned into the same two lines by
-:func:`describe_unexpected`, with exit code 1.
+:func:`describe_unexpected`, with exit code 1. The image pipeline's errors (exit codes 9-14)
+subclass :class:`PipelineError` in ``image_pipeline/errors.py``.
 """
 
 from __future__ import annotations
@@ -95,13 +96,6 @@ class CheckMismatch(PipelineError):
 
     exit_code = 8
     default_hint = "Regenerate with `tools/backport` (without --check) and commit manifests/lock.json."
-
-
-class ImageError(PipelineError):
-    """Building or gating the image failed."""
-
-    exit_code = 9
-    default_hint = "Read the log tail above; `make image` rebuilds from the verified patch."
 
 
 class BusyError(PipelineError):

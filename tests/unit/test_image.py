@@ -15,11 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from backport import image as img
-from backport import image_cli
-from backport.errors import ImageError, PipelineError
-from backport.image_lock import LockEntry, parse_lock, parse_report, render_lock
+from backport.errors import PipelineError
 from backport.tree_digest import lock_fields
+from image_pipeline import cli as image_cli
+from image_pipeline.build import (FLA_PIN, TREE_DIGEST_SCRIPT, BuildTracker, build_args, classify_build_error, expected_labels,
+                         host_ca_bundle, image_tags, one_line_change, rebuilt_layers, stage_context)
+from image_pipeline.engine import (DiskPeak, check_disk, docker_client, docker_storage, ensure_base_image, min_free_gib,
+                          pull_image)
+from image_pipeline.errors import (BaseImageMissing, BuildStepFailed, DiskSpaceError, DockerUnavailable, GateFailed,
+                          ImageError, InputError)
+from image_pipeline.gate import gate_verdict, parse_junit, require_gate_ok, write_json
+from image_pipeline.inputs import (CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, Inputs, preflight, read_tree_lock,
+                          torch_lock_hashes, tree_digest)
+from image_pipeline.lock import LockEntry, parse_lock, parse_report, render_lock
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
@@ -36,7 +44,7 @@ def _sha(data: bytes) -> str:
 
 
 @pytest.fixture
-def inputs(tmp_path) -> img.Inputs:
+def inputs(tmp_path) -> Inputs:
     """A small but complete set of build inputs in tmp_path."""
     tree = tmp_path / "tree"
     (tree / "megatron" / "core").mkdir(parents=True)
@@ -60,30 +68,30 @@ def inputs(tmp_path) -> img.Inputs:
                           f"    --hash=sha256:{_sha(wheel.read_bytes())}\n")
     tree_lock = tmp_path / "lock.json"
     tree_lock.write_text(json.dumps(lock_fields(tree, patch.read_bytes())))
-    return img.Inputs(tree=tree, patch=patch, manifest=manifest, tests=tests,
+    return Inputs(tree=tree, patch=patch, manifest=manifest, tests=tests,
                       torch_lock=torch_lock, torch_wheel=wheel, tree_lock=tree_lock)
 
 
 # --------------------------------------------------------------------------- preflight / labels
 
 def test_preflight_reads_digests_and_pins(inputs):
-    pre = img.preflight(inputs, img.FLAVOURS["cpu"])
+    pre = preflight(inputs, FLAVOURS["cpu"])
     assert pre.patch_sha256 == _sha(inputs.patch.read_bytes())
     assert pre.manifest_sha256 == _sha(inputs.manifest.read_bytes())
     assert pre.lock_sha256 == _sha(inputs.lock.read_bytes())
     assert pre.patch_name == "20260101-ccccccccc.patch"
     assert pre.pins["upstream"] == "d" * 40
     assert pre.hunks == 2
-    assert pre.lock_pins["flash-linear-attention"] == img.FLA_PIN
+    assert pre.lock_pins["flash-linear-attention"] == FLA_PIN
 
 
 def test_tree_digest_ignores_caches_and_sees_content(inputs):
     root = inputs.tree / "megatron"
-    before = img.tree_digest(inputs.tree)
+    before = tree_digest(inputs.tree)
     (root / "core" / "__pycache__" / "other.pyc").write_bytes(b"y")
-    assert img.tree_digest(inputs.tree) == before
+    assert tree_digest(inputs.tree) == before
     (root / "core" / "mod.py").write_text(BASE_PY + "# x\n")
-    assert img.tree_digest(inputs.tree) != before
+    assert tree_digest(inputs.tree) != before
 
 
 @pytest.mark.parametrize("breakage, words", [
@@ -107,21 +115,21 @@ def test_preflight_refuses_bad_inputs(inputs, breakage, words):
         inputs.torch_wheel.write_bytes(b"another build")
     elif breakage == "no_wheel":
         inputs.torch_wheel.unlink()
-    with pytest.raises(img.InputError, match=words) as info:
-        img.preflight(inputs, img.FLAVOURS["cpu"])
+    with pytest.raises(InputError, match=words) as info:
+        preflight(inputs, FLAVOURS["cpu"])
     assert info.value.exit_code == 13 and info.value.hint
 
 
 def test_cuda_preflight_needs_no_wheel(inputs):
     inputs.torch_wheel.unlink()
-    assert img.preflight(inputs, img.FLAVOURS["cuda"]).hunks == 2
+    assert preflight(inputs, FLAVOURS["cuda"]).hunks == 2
 
 
 def test_build_args_fill_every_label(inputs):
-    pre = img.preflight(inputs, img.FLAVOURS["cpu"])
-    args = img.build_args(img.FLAVOURS["cpu"], pre)
-    assert args["BASE_IMAGE"] == img.CPU_BASE_IMAGE and args["TORCH_FROM"] == "wheel"
-    labels = img.expected_labels(args)
+    pre = preflight(inputs, FLAVOURS["cpu"])
+    args = build_args(FLAVOURS["cpu"], pre)
+    assert args["BASE_IMAGE"] == CPU_BASE_IMAGE and args["TORCH_FROM"] == "wheel"
+    labels = expected_labels(args)
     assert labels["io.gdn.patch.sha256"] == pre.patch_sha256
     assert labels["io.gdn.manifest.sha256"] == pre.manifest_sha256
     assert labels["io.gdn.pin.flash-linear-attention"] == "0.4.2"
@@ -129,18 +137,18 @@ def test_build_args_fill_every_label(inputs):
     assert labels["io.gdn.pin.triton"] == "3.6.0"
     assert labels["io.gdn.pin.mcore-base"] == "c" * 40
     assert all(v for v in labels.values())
-    cuda = img.build_args(img.FLAVOURS["cuda"], pre)
+    cuda = build_args(FLAVOURS["cuda"], pre)
     assert cuda["BASE_IMAGE"].startswith("nvcr.io/nvidia/pytorch:") and cuda["TORCH_FROM"] == "base"
-    assert img.build_args(img.FLAVOURS["cuda"], pre, "my/base:1")["BASE_IMAGE"] == "my/base:1"
+    assert build_args(FLAVOURS["cuda"], pre, "my/base:1")["BASE_IMAGE"] == "my/base:1"
 
 
 def test_every_label_and_build_arg_is_in_the_dockerfile(inputs):
     text = (REPO / "Dockerfile").read_text()
-    pre = img.preflight(inputs, img.FLAVOURS["cpu"])
-    args = img.build_args(img.FLAVOURS["cpu"], pre)
+    pre = preflight(inputs, FLAVOURS["cpu"])
+    args = build_args(FLAVOURS["cpu"], pre)
     for name in args:
         assert f"{name}" in text, name
-    for label in img.expected_labels(args):
+    for label in expected_labels(args):
         assert f"{label}=" in text, label
 
 
@@ -157,8 +165,8 @@ def test_dockerfile_orders_layers_deps_tree_then_patch():
 
 
 def test_image_tags(inputs):
-    pre = img.preflight(inputs, img.FLAVOURS["cpu"])
-    assert img.image_tags(img.FLAVOURS["cpu"], pre) == [
+    pre = preflight(inputs, FLAVOURS["cpu"])
+    assert image_tags(FLAVOURS["cpu"], pre) == [
         "gdn-megatron:cpu", f"gdn-megatron:cpu-{pre.patch_sha256[:12]}"]
 
 
@@ -167,7 +175,7 @@ def test_image_tags(inputs):
 def test_stage_context_layout(inputs, tmp_path):
     ca = tmp_path / "ca.crt"
     ca.write_text("-----BEGIN CERTIFICATE-----\n")
-    ctx = img.stage_context(inputs, img.FLAVOURS["cpu"], tmp_path / "ctx", ca_bundle=ca)
+    ctx = stage_context(inputs, FLAVOURS["cpu"], tmp_path / "ctx", ca_bundle=ca)
     files = sorted(p.relative_to(ctx).as_posix() for p in ctx.rglob("*") if p.is_file())
     assert files == sorted([
         "Dockerfile", "deps/requirements.lock", "deps/torch-cpu.lock", "deps/install-deps.sh",
@@ -176,14 +184,14 @@ def test_stage_context_layout(inputs, tmp_path):
         "app/bin/tree_digest.py", "app/tests/image/test_x.py", "tree/megatron/core/mod.py",
         "patch/megatron.patch", "patch/manifest.json", "patch/trees.json"])
     trees = json.loads((ctx / "patch" / "trees.json").read_text())
-    assert trees == img.read_tree_lock(inputs.tree_lock)
+    assert trees == read_tree_lock(inputs.tree_lock)
     assert (ctx / "patch" / "megatron.patch").read_bytes() == inputs.patch.read_bytes()
 
 
 def test_stage_context_cuda_has_no_wheel_and_replaces_old_context(inputs, tmp_path):
     dest = tmp_path / "ctx"
-    img.stage_context(inputs, img.FLAVOURS["cpu"], dest)
-    img.stage_context(inputs, img.FLAVOURS["cuda"], dest)
+    stage_context(inputs, FLAVOURS["cpu"], dest)
+    stage_context(inputs, FLAVOURS["cuda"], dest)
     assert list((dest / "deps" / "wheels").iterdir()) == []
     assert not (dest / "deps" / "ca-bundle.crt").exists()
 
@@ -194,19 +202,19 @@ def test_host_ca_bundle_order(tmp_path, monkeypatch):
     b.write_text("b")
     for var in ("GDN_BUILD_CA_BUNDLE", "PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"):
         monkeypatch.delenv(var, raising=False)
-    assert img.host_ca_bundle() is None
+    assert host_ca_bundle() is None
     monkeypatch.setenv("SSL_CERT_FILE", str(b))
-    assert img.host_ca_bundle() == b
+    assert host_ca_bundle() == b
     monkeypatch.setenv("GDN_BUILD_CA_BUNDLE", str(a))
-    assert img.host_ca_bundle() == a
+    assert host_ca_bundle() == a
 
 
 # --------------------------------------------------------------------------- disk
 
 def test_check_disk_refuses_below_floor(tmp_path):
-    assert img.check_disk(tmp_path / "not" / "yet", 0.0) > 0
-    with pytest.raises(img.DiskSpaceError, match="GiB free") as info:
-        img.check_disk(tmp_path, 10**9)
+    assert check_disk(tmp_path / "not" / "yet", 0.0) > 0
+    with pytest.raises(DiskSpaceError, match="GiB free") as info:
+        check_disk(tmp_path, 10**9)
     assert info.value.exit_code == 11 and "prune" in info.value.hint
 
 
@@ -214,17 +222,17 @@ def test_check_disk_default_floor_follows_storage_driver(tmp_path, monkeypatch):
     # Pretend the disk holds exactly 18 GiB free: enough for overlay2's floor, not for vfs's.
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(100 * 2**30, 82 * 2**30, 18 * 2**30))
-    assert img.min_free_gib("overlay2") < 18 < img.min_free_gib("vfs")
-    assert img.check_disk(tmp_path, driver="overlay2") == pytest.approx(18.0)
-    with pytest.raises(img.DiskSpaceError, match=r"needs about 22 GiB under the vfs storage driver") as info:
-        img.check_disk(tmp_path, driver="vfs")
+    assert min_free_gib("overlay2") < 18 < min_free_gib("vfs")
+    assert check_disk(tmp_path, driver="overlay2") == pytest.approx(18.0)
+    with pytest.raises(DiskSpaceError, match=r"needs about 22 GiB under the vfs storage driver") as info:
+        check_disk(tmp_path, driver="vfs")
     assert "a cold build peaked at 16.6 GiB" in info.value.message and "floor 12 GiB" in info.value.message
     assert info.value.exit_code == 11
     assert "`sudo tools/dockerd-up`" in info.value.hint and "run the same command again" in info.value.hint
     # An unknown driver gets the larger floor; an explicit floor wins over the driver's.
-    with pytest.raises(img.DiskSpaceError, match="storage driver btrfs"):
-        img.check_disk(tmp_path, driver="btrfs")
-    assert img.check_disk(tmp_path, 17.5, driver="vfs") == pytest.approx(18.0)
+    with pytest.raises(DiskSpaceError, match="storage driver btrfs"):
+        check_disk(tmp_path, driver="btrfs")
+    assert check_disk(tmp_path, 17.5, driver="vfs") == pytest.approx(18.0)
 
 
 def test_docker_storage_reads_engine_info_and_falls_back():
@@ -237,11 +245,11 @@ def test_docker_storage_reads_engine_info_and_falls_back():
                 raise self._info
             return self._info
 
-    assert img.docker_storage(Engine({"DockerRootDir": "/data/docker", "Driver": "overlay2"})) == (
+    assert docker_storage(Engine({"DockerRootDir": "/data/docker", "Driver": "overlay2"})) == (
         Path("/data/docker"), "overlay2")
     # No answer, or no driver named: the default root and the driver with the larger floor.
-    assert img.docker_storage(Engine(RuntimeError("gone"))) == (Path("/var/lib/docker"), "vfs")
-    assert img.docker_storage(Engine({"DockerRootDir": "/d"})) == (Path("/d"), "vfs")
+    assert docker_storage(Engine(RuntimeError("gone"))) == (Path("/var/lib/docker"), "vfs")
+    assert docker_storage(Engine({"DockerRootDir": "/d"})) == (Path("/d"), "vfs")
 
 
 def test_disk_peak_reports_growth_and_peak(tmp_path, monkeypatch):
@@ -255,7 +263,7 @@ def test_disk_peak_reports_growth_and_peak(tmp_path, monkeypatch):
         return usage(1000, value, 0)
 
     monkeypatch.setattr(shutil, "disk_usage", disk_usage)
-    with img.DiskPeak(tmp_path / "not" / "made" / "yet", interval_s=0.001) as disk:
+    with DiskPeak(tmp_path / "not" / "made" / "yet", interval_s=0.001) as disk:
         deadline = time.monotonic() + 10
         while disk.peak_used < 260 and time.monotonic() < deadline:  # the sampler saw the top
             time.sleep(0.001)
@@ -276,7 +284,7 @@ def _stream(*lines, error=None, image_id=None):
 
 def _track(chunks):
     seen = []
-    tracker = img.BuildTracker(on_line=seen.append)
+    tracker = BuildTracker(on_line=seen.append)
     for c in chunks:
         tracker.feed(c)
     tracker.finish()
@@ -308,8 +316,8 @@ def test_rejected_hunk_maps_to_patch_apply_with_tail():
         "patching file megatron/core/mod.py", "Hunk #1 FAILED at 1.",
         "error: [patch-apply] the patch does not apply with zero fuzz to the pristine tree (a hunk was rejected)",
         error="The command '/bin/sh -c sh /opt/gdn/bin/apply-patch.sh' returned a non-zero code: 1"))
-    err = img.classify_build_error(tracker, "gdn-base:bookworm")
-    assert isinstance(err, img.BuildStepFailed) and err.exit_code == 9
+    err = classify_build_error(tracker, "gdn-base:bookworm")
+    assert isinstance(err, BuildStepFailed) and err.exit_code == 9
     assert err.step == "patch-apply"
     text = str(err)
     assert "failed at step patch-apply: the patch does not apply with zero fuzz" in text
@@ -323,7 +331,7 @@ def test_capability_failure_names_the_checks():
         "==> [capability:versions] FAILED: AssertionError: wrong versions installed: flash-linear-attention==0.4.1 (want 0.4.2)",
         "==> [capability:fla-cp] FAILED: ModuleNotFoundError: No module named 'fla.ops.cp'",
         "error: [capability] failed: versions, fla-cp", error="returned a non-zero code: 1"))
-    err = img.classify_build_error(tracker, "b")
+    err = classify_build_error(tracker, "b")
     assert err.step.startswith("capability")
     assert "flash-linear-attention==0.4.1" in err.detail and "fla.ops.cp" in err.detail
     assert "requirements.in" in err.hint
@@ -342,15 +350,15 @@ def test_failed_step_falls_back_to_the_instruction(instruction, expected):
 def test_no_space_maps_to_disk_error():
     tracker, _ = _track(_stream("Step 16/19 : COPY --from=deps /opt/gdn/venv /opt/gdn/venv",
                                 error="write /var/lib/docker/vfs/dir/x: no space left on device"))
-    err = img.classify_build_error(tracker, "b")
-    assert isinstance(err, img.DiskSpaceError) and "step 16" in str(err)
+    err = classify_build_error(tracker, "b")
+    assert isinstance(err, DiskSpaceError) and "step 16" in str(err)
 
 
 def test_missing_base_maps_to_base_image_error():
     tracker, _ = _track(_stream("Step 2/19 : FROM ${BASE_IMAGE} AS deps",
                                 error='Get "https://nvcr.io/v2/": dial tcp: lookup nvcr.io: no such host'))
-    err = img.classify_build_error(tracker, "nvcr.io/nvidia/pytorch:25.12-py3")
-    assert isinstance(err, img.BaseImageMissing) and err.exit_code == 14
+    err = classify_build_error(tracker, "nvcr.io/nvidia/pytorch:25.12-py3")
+    assert isinstance(err, BaseImageMissing) and err.exit_code == 14
     assert "nvcr.io/nvidia/pytorch:25.12-py3" in str(err) and "FLAVOUR=cpu" in err.hint
 
 
@@ -367,15 +375,15 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 
 
 def test_parse_junit_counts():
-    counts = img.parse_junit(JUNIT)
+    counts = parse_junit(JUNIT)
     assert {k: counts[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == {
         "tests": 5, "passed": 2, "failed": 1, "errors": 1, "skipped": 1}
     assert counts["failing"] == ["test_a::test_bad", "test_b::test_err"]
 
 
 def test_parse_junit_refuses_garbage():
-    with pytest.raises(img.GateFailed, match="unreadable"):
-        img.parse_junit("<testsuites")
+    with pytest.raises(GateFailed, match="unreadable"):
+        parse_junit("<testsuites")
 
 
 @pytest.mark.parametrize("counts, code, ok, words", [
@@ -387,41 +395,41 @@ def test_parse_junit_refuses_garbage():
     (dict(tests=2, passed=2, failed=0, errors=0, skipped=0), 3, False, "pytest exited 3"),
 ])
 def test_gate_verdict(counts, code, ok, words):
-    verdict, reason = img.gate_verdict(counts, code)
+    verdict, reason = gate_verdict(counts, code)
     assert verdict is ok and words in reason
 
 
 def test_require_gate_ok_shows_tail_and_hint():
     report = {"ok": False, "reason": "1 failed, 0 errors", "image": {"id": "sha256:" + "a" * 64},
               "suite": {"failing": ["t::x"]}, "log_tail": ["FAILED t::x - AssertionError", "1 failed"]}
-    with pytest.raises(img.GateFailed) as info:
-        img.require_gate_ok(report)
+    with pytest.raises(GateFailed) as info:
+        require_gate_ok(report)
     text = str(info.value)
     assert "t::x" in text and "| 1 failed" in text and "step suite" in text
     assert info.value.exit_code == 12 and text.rstrip().endswith(info.value.hint)
-    img.require_gate_ok({"ok": True})
+    require_gate_ok({"ok": True})
 
 
 def test_write_json_is_canonical(tmp_path):
-    path = img.write_json(tmp_path / "x" / "r.json", {"b": 1, "a": [2]})
+    path = write_json(tmp_path / "x" / "r.json", {"b": 1, "a": [2]})
     assert path.read_text() == '{\n  "a": [\n    2\n  ],\n  "b": 1\n}\n'
 
 
 # --------------------------------------------------------------------------- errors and CLI
 
 def test_error_classes_have_distinct_codes_and_hints():
-    classes = [img.BuildStepFailed, img.DockerUnavailable, img.DiskSpaceError, img.GateFailed,
-               img.InputError, img.BaseImageMissing]
+    classes = [BuildStepFailed, DockerUnavailable, DiskSpaceError, GateFailed,
+               InputError, BaseImageMissing]
     codes = [c.exit_code for c in classes]
     assert len(set(codes)) == len(codes)
     assert all(issubclass(c, ImageError) and issubclass(c, PipelineError) for c in classes)
-    assert "tools/dockerd-up" in img.DockerUnavailable.default_hint
+    assert "tools/dockerd-up" in DockerUnavailable.default_hint
 
 
 def test_docker_unavailable_without_engine(monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
-    with pytest.raises(img.DockerUnavailable, match="no Docker Engine answers") as info:
-        img.docker_client(timeout=2)
+    with pytest.raises(DockerUnavailable, match="no Docker Engine answers") as info:
+        docker_client(timeout=2)
     # DOCKER_HOST names another engine than the one tools/dockerd-up starts: the hint says so.
     assert "Start the engine that DOCKER_HOST=unix:///nonexistent/docker.sock names" in info.value.hint
     assert "unset DOCKER_HOST" in info.value.hint and "sudo tools/dockerd-up" in info.value.hint
@@ -454,9 +462,9 @@ def test_cli_usage_error_exits_2(capsys):
 # --------------------------------------------------------------------------- lock
 
 def test_committed_torch_lock_names_the_cpu_wheel():
-    hashes = img.torch_lock_hashes((DOCKER / "torch-cpu.lock").read_text())
-    assert list(hashes) == [img.CPU_TORCH_WHEEL.name]
-    assert hashes[img.CPU_TORCH_WHEEL.name] == {
+    hashes = torch_lock_hashes((DOCKER / "torch-cpu.lock").read_text())
+    assert list(hashes) == [CPU_TORCH_WHEEL.name]
+    assert hashes[CPU_TORCH_WHEEL.name] == {
         "6746dbcbeb526eb61330b76b41ff1b4eb848951103a892eeb080dfa2b264667b"}
 
 
@@ -488,7 +496,7 @@ def _apply(tree: Path, patch_text: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
 def test_one_line_change_keeps_the_patch_applicable(inputs):
-    changed = img.one_line_change(GOOD_PATCH)
+    changed = one_line_change(GOOD_PATCH)
     diff = [(a, b) for a, b in zip(GOOD_PATCH.splitlines(), changed.splitlines()) if a != b]
     assert diff == [("+    # added comment", "+    # added comment (rebuild probe)")]
     assert _apply(inputs.tree, changed).returncode == 0
@@ -497,11 +505,11 @@ def test_one_line_change_keeps_the_patch_applicable(inputs):
 @pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
 def test_one_line_change_without_comment_extends_a_new_file(inputs):
     text = GOOD_PATCH.replace("+    # added comment\n", "+    x = 0\n")
-    changed = img.one_line_change(text)
+    changed = one_line_change(text)
     assert "@@ -0,0 +1,3 @@" in changed and "+# rebuild probe\n" in changed
     assert _apply(inputs.tree, changed).returncode == 0
-    with pytest.raises(img.InputError):
-        img.one_line_change("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n")
+    with pytest.raises(InputError):
+        one_line_change("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n")
 
 
 # --------------------------------------------------------------------------- scripts
@@ -520,7 +528,7 @@ def _run_apply(tmp_path: Path, patch_text: str, manifest_sha: str | None = None)
     (root / "patch").mkdir()
     (root / "patch" / "megatron.patch").write_text(patch_text)
     (root / "bin").mkdir()
-    shutil.copy2(img.TREE_DIGEST_SCRIPT, root / "bin" / "tree_digest.py")
+    shutil.copy2(TREE_DIGEST_SCRIPT, root / "bin" / "tree_digest.py")
     # The lock made with this patch; a patch that does not apply gets the good patch's lock
     # (the same pristine digest), so the apply step is what refuses it.
     try:
@@ -612,20 +620,20 @@ class _FakeClient:
 def test_pull_refusal_maps_to_base_image_missing():
     client = _FakeClient(chunks=[{"status": "Pulling from nvidia/pytorch"},
                                  {"error": "dial tcp: lookup nvcr.io: no such host"}])
-    with pytest.raises(img.BaseImageMissing, match="cannot pull nvcr.io/nvidia/pytorch:25.12-py3"):
-        img.pull_image(client, "nvcr.io/nvidia/pytorch:25.12-py3")
+    with pytest.raises(BaseImageMissing, match="cannot pull nvcr.io/nvidia/pytorch:25.12-py3"):
+        pull_image(client, "nvcr.io/nvidia/pytorch:25.12-py3")
     assert client.api.calls == [("nvcr.io/nvidia/pytorch", "25.12-py3")]
 
 
 def test_ensure_base_image_is_a_no_op_when_present():
-    made = img.ensure_base_image(_FakeClient(present=[img.CPU_BASE_IMAGE]))
-    assert made == {"tag": img.CPU_BASE_IMAGE, "created": False, "seconds": 0.0}
+    made = ensure_base_image(_FakeClient(present=[CPU_BASE_IMAGE]))
+    assert made == {"tag": CPU_BASE_IMAGE, "created": False, "seconds": 0.0}
 
 
 def test_ensure_base_image_needs_debootstrap(monkeypatch):
-    monkeypatch.setattr(img.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ImageError, match="debootstrap is not installed") as info:
-        img.ensure_base_image(_FakeClient())
+        ensure_base_image(_FakeClient())
     assert "tools/dockerd-up" in info.value.hint
 
 
@@ -634,7 +642,7 @@ def test_rebuilt_layers_skip_from_and_global_arg():
              {"number": 2, "instruction": "FROM ${BASE_IMAGE} AS deps", "cached": False},
              {"number": 3, "instruction": "COPY deps/ /opt/gdn/deps/", "cached": True},
              {"number": 4, "instruction": "COPY patch/ /opt/gdn/patch/", "cached": False}]
-    assert img.rebuilt_layers(steps) == ["COPY patch/ /opt/gdn/patch/"]
+    assert rebuilt_layers(steps) == ["COPY patch/ /opt/gdn/patch/"]
 
 
 def test_pull_failure_with_pull_given_does_not_say_add_pull(monkeypatch, capsys, inputs):
@@ -645,7 +653,7 @@ def test_pull_failure_with_pull_given_does_not_say_add_pull(monkeypatch, capsys,
         def info(self):
             return {"DockerRootDir": str(inputs.tree), "Driver": "overlay2"}
 
-    monkeypatch.setattr(img, "docker_client", lambda *a, **k: _Client())
+    monkeypatch.setattr(image_cli, "docker_client", lambda *a, **k: _Client())
     args = ["build", "--flavour", "cuda", "--tree", str(inputs.tree), "--patch", str(inputs.patch),
             "--manifest", str(inputs.manifest), "--lock", str(inputs.lock), "--tree-lock", str(inputs.tree_lock),
             "--min-free-gb", "0"]

@@ -26,9 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from backport import image as img
-from backport.image_lock import parse_lock
 from backport.tree_digest import lock_fields
+from image_pipeline.build import IMAGE_REPO, BuildResult, BuildTracker, build_args, build_image, host_ca_bundle, stage_context
+from image_pipeline.engine import docker_client, ensure_base_image, image_exists
+from image_pipeline.errors import BuildStepFailed, DockerUnavailable, GateFailed, TreeDrift
+from image_pipeline.gate import require_gate_ok, run_gate
+from image_pipeline.inputs import CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, Inputs, flavour_lock, preflight
+from image_pipeline.lock import parse_lock
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_REPO = "gdn-megatron-test"
@@ -37,15 +41,15 @@ TEST_REPO = "gdn-megatron-test"
 @pytest.fixture(scope="module")
 def client():
     try:
-        c = img.docker_client(timeout=1800)
-    except img.DockerUnavailable as exc:
+        c = docker_client(timeout=1800)
+    except DockerUnavailable as exc:
         pytest.skip(f"no Docker Engine: {exc.message} (start one with `sudo tools/dockerd-up`)")
-    if not img.image_exists(c, img.CPU_BASE_IMAGE):
+    if not image_exists(c, CPU_BASE_IMAGE):
         if os.geteuid() != 0:
-            pytest.skip(f"base image {img.CPU_BASE_IMAGE} is missing; make it with `tools/image base` (root)")
-        img.ensure_base_image(c, img.CPU_BASE_IMAGE)
-    if not img.CPU_TORCH_WHEEL.is_file():
-        pytest.skip(f"the cpu torch wheel {img.CPU_TORCH_WHEEL} is not on this machine")
+            pytest.skip(f"base image {CPU_BASE_IMAGE} is missing; make it with `tools/image base` (root)")
+        ensure_base_image(c, CPU_BASE_IMAGE)
+    if not CPU_TORCH_WHEEL.is_file():
+        pytest.skip(f"the cpu torch wheel {CPU_TORCH_WHEEL} is not on this machine")
     return c
 
 
@@ -87,7 +91,7 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _synthetic_inputs(tmp_path: Path, patch_text: str, lock: Path | None = None) -> img.Inputs:
+def _synthetic_inputs(tmp_path: Path, patch_text: str, lock: Path | None = None) -> Inputs:
     tree = tmp_path / "tree" / "megatron" / "core"
     tree.mkdir(parents=True)
     (tree / "__init__.py").write_text("")
@@ -97,25 +101,25 @@ def _synthetic_inputs(tmp_path: Path, patch_text: str, lock: Path | None = None)
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"patch": {"name": "synthetic.patch", "sha256": _sha(patch.read_bytes())},
                                     "pins": {}}))
-    defaults = img.Inputs()
+    defaults = Inputs()
     tree_lock = tmp_path / "lock.json"
     try:
         trees = lock_fields(tmp_path / "tree", patch.read_bytes())
     except Exception:  # a patch that does not apply: the lock of the pristine tree alone
         trees = lock_fields(tmp_path / "tree", b"")
     tree_lock.write_text(json.dumps(trees))
-    return img.Inputs(tree=tmp_path / "tree", patch=patch, manifest=manifest,
+    return Inputs(tree=tmp_path / "tree", patch=patch, manifest=manifest,
                       lock=lock or defaults.lock, tree_lock=tree_lock)
 
 
-def _build(client, inputs: img.Inputs, tmp_path: Path, tag: str, tamper=None) -> img.BuildResult:
-    fl = img.FLAVOURS["cpu"]
-    pre = img.preflight(inputs, fl)
-    ctx = img.stage_context(inputs, fl, tmp_path / "ctx", img.host_ca_bundle(), trees=pre.trees)
+def _build(client, inputs: Inputs, tmp_path: Path, tag: str, tamper=None) -> BuildResult:
+    fl = FLAVOURS["cpu"]
+    pre = preflight(inputs, fl)
+    ctx = stage_context(inputs, fl, tmp_path / "ctx", host_ca_bundle(), trees=pre.trees)
     if tamper:
         tamper(ctx)
     lines: list[str] = []
-    return img.build_image(client, ctx, img.build_args(fl, pre), [f"{TEST_REPO}:{tag}"], on_line=lines.append)
+    return build_image(client, ctx, build_args(fl, pre), [f"{TEST_REPO}:{tag}"], on_line=lines.append)
 
 
 # Synthetic fixture patch (no upstream code), kept under tests/data/.
@@ -124,7 +128,7 @@ REJECTED = (Path(__file__).resolve().parents[1] / "data" / "image" / "rejected-h
 
 def test_build_refuses_a_patch_with_a_rejected_hunk(client, tmp_path):
     inputs = _synthetic_inputs(tmp_path, REJECTED)
-    with pytest.raises(img.BuildStepFailed) as info:
+    with pytest.raises(BuildStepFailed) as info:
         _build(client, inputs, tmp_path, "rejected")
     err = info.value
     assert err.step == "patch-apply" and err.exit_code == 9
@@ -141,7 +145,7 @@ def test_build_refuses_a_context_whose_tree_drifted(client, tmp_path):
     def tamper(ctx: Path) -> None:
         (ctx / "tree" / "megatron" / "core" / "extra.py").write_text("X = 1\n")
 
-    with pytest.raises(img.TreeDrift) as info:
+    with pytest.raises(TreeDrift) as info:
         _build(client, inputs, tmp_path, "drift", tamper=tamper)
     assert info.value.exit_code == 13
     assert "first differing file: megatron/core/extra.py (extra)" in str(info.value)
@@ -154,7 +158,7 @@ def _fla_041_lock(tmp_path: Path) -> Path:
                     "--only-binary=:all:", "--index-url", img_index(), "--dest", str(dest),
                     "flash-linear-attention==0.4.1", "fla-core==0.4.1"], check=True)
     hashes = {w.name.split("-")[0].replace("_", "-"): _sha(w.read_bytes()) for w in dest.glob("*.whl")}
-    text = img.flavour_lock("cpu").read_text()
+    text = flavour_lock("cpu").read_text()
     out, skip = [], False
     for line in text.splitlines():
         name = line.split("==")[0]
@@ -173,20 +177,20 @@ def _fla_041_lock(tmp_path: Path) -> Path:
 
 
 def img_index() -> str:
-    from backport.image_lock import INDEX_URL
+    from image_pipeline.lock import INDEX_URL
     return INDEX_URL
 
 
 @pytest.mark.skipif(os.environ.get("GDN_IMAGE_SLOW_TESTS") != "1",
                     reason="rebuilds the deps layer (minutes, needs PyPI); set GDN_IMAGE_SLOW_TESTS=1")
 def test_build_refuses_a_wrong_fla_pin(client, tmp_path):
-    real = img.Inputs()
+    real = Inputs()
     if (real.tree / "megatron").is_dir() and real.patch.is_file():
-        inputs = img.Inputs(lock=_fla_041_lock(tmp_path))
+        inputs = Inputs(lock=_fla_041_lock(tmp_path))
     else:
         good = REJECTED.replace("def g", "def f")
         inputs = _synthetic_inputs(tmp_path, good, lock=_fla_041_lock(tmp_path))
-    with pytest.raises(img.BuildStepFailed) as info:
+    with pytest.raises(BuildStepFailed) as info:
         _build(client, inputs, tmp_path, "fla041")
     err = info.value
     assert err.step.startswith("capability")
@@ -198,8 +202,8 @@ def test_build_refuses_a_wrong_fla_pin(client, tmp_path):
 
 @pytest.fixture(scope="module")
 def built_image(client):
-    ref = f"{img.IMAGE_REPO}:cpu"
-    if not img.image_exists(client, ref):
+    ref = f"{IMAGE_REPO}:cpu"
+    if not image_exists(client, ref):
         pytest.skip(f"no {ref} image; build it with `make gate` (or `tools/image build --flavour cpu`)")
     return ref
 
@@ -211,7 +215,7 @@ def _image_trees(client, ref: str) -> dict:
 
 
 def test_gate_passes_on_the_image(client, built_image):
-    report = img.run_gate(client, built_image, gpus=False, trees=_image_trees(client, built_image))
+    report = run_gate(client, built_image, gpus=False, trees=_image_trees(client, built_image))
     assert report["ok"], report["reason"]
     assert report["tree_check"]["base"]["ok"] and report["tree_check"]["patched"]["ok"]
     names = [c["name"] for c in report["checks"]]
@@ -227,27 +231,27 @@ def test_gate_refuses_an_image_whose_tree_is_not_the_locks(client, built_image):
     trees = _image_trees(client, built_image)
     trees["tree_files"]["patched_changes"]["megatron/core/ssm/gated_delta_net.py"] = "0" * 16
     trees["patched_tree_sha256"] = "0" * 64
-    report = img.run_gate(client, built_image, gpus=False, trees=trees)
+    report = run_gate(client, built_image, gpus=False, trees=trees)
     assert not report["ok"] and report["suite"]["part"] == "not run"
     assert "first differing file: megatron/core/ssm/gated_delta_net.py (changed)" in report["reason"]
-    with pytest.raises(img.TreeDrift):
-        img.require_gate_ok(report)
+    with pytest.raises(TreeDrift):
+        require_gate_ok(report)
 
 
 def test_gate_refuses_a_run_with_no_test(client, built_image):
-    report = img.run_gate(client, built_image, gpus=False, pytest_args=["-k", "no_test_has_this_name"])
+    report = run_gate(client, built_image, gpus=False, pytest_args=["-k", "no_test_has_this_name"])
     assert not report["ok"] and "ran no test" in report["reason"]
-    with pytest.raises(img.GateFailed, match="ran no test"):
-        img.require_gate_ok(report)
+    with pytest.raises(GateFailed, match="ran no test"):
+        require_gate_ok(report)
 
 
 def test_gate_refuses_the_unpatched_tree(client, built_image):
-    report = img.run_gate(client, built_image, gpus=False, environment={"GDN_TREE": "/opt/gdn/base"},
+    report = run_gate(client, built_image, gpus=False, environment={"GDN_TREE": "/opt/gdn/base"},
                           pytest_args=["-x"])
     assert not report["ok"]
     assert report["suite"]["failed"] + report["suite"]["errors"] >= 1
-    with pytest.raises(img.GateFailed) as info:
-        img.require_gate_ok(report)
+    with pytest.raises(GateFailed) as info:
+        require_gate_ok(report)
     assert "step suite" in str(info.value) and "failing:" in str(info.value)
 
 
@@ -269,18 +273,18 @@ RUN mkdir -p /etc/pip && echo "triton==3.5.0" > /etc/pip/constraint.txt \\
 
 
 def _torch_base(client, tmp_path: Path) -> str:
-    if img.image_exists(client, TORCH_BASE):
+    if image_exists(client, TORCH_BASE):
         return TORCH_BASE
     ctx = tmp_path / "torchbase"
     ctx.mkdir()
-    wheel = img.CPU_TORCH_WHEEL
+    wheel = CPU_TORCH_WHEEL
     os.link(wheel, ctx / wheel.name) if os.stat(wheel).st_dev == os.stat(ctx).st_dev else \
         __import__("shutil").copy2(wheel, ctx / wheel.name)
-    ca = img.host_ca_bundle()
+    ca = host_ca_bundle()
     if ca:
         (ctx / "ca-bundle.crt").write_bytes(ca.read_bytes())
-    (ctx / "Dockerfile").write_text(TORCH_BASE_DOCKERFILE.format(base=img.CPU_BASE_IMAGE, wheel=wheel.name))
-    tracker = img.BuildTracker()
+    (ctx / "Dockerfile").write_text(TORCH_BASE_DOCKERFILE.format(base=CPU_BASE_IMAGE, wheel=wheel.name))
+    tracker = BuildTracker()
     for chunk in client.api.build(path=str(ctx), tag=TORCH_BASE, decode=True, network_mode="host",
                                   rm=True, forcerm=True, pull=False):
         tracker.feed(chunk)
@@ -293,15 +297,15 @@ def _torch_base(client, tmp_path: Path) -> str:
 def test_cuda_flavour_path_on_a_torch_base(client, tmp_path):
     """The cuda flavour's path (TORCH_FROM=base, torch from the base's site-packages, the
     base's PIP_CONSTRAINT ignored) on a local stand-in for the NGC base: no CUDA here."""
-    real = img.Inputs()
+    real = Inputs()
     if not ((real.tree / "megatron").is_dir() and real.patch.is_file()):
         pytest.skip("needs build/tree/base and patches/latest (run `make patch`)")
     base = _torch_base(client, tmp_path)
-    fl = img.FLAVOURS["cuda"]
-    pre = img.preflight(real, fl)
-    ctx = img.stage_context(real, fl, tmp_path / "ctx", img.host_ca_bundle(), trees=pre.trees)
-    args = img.build_args(fl, pre, base)
-    result = img.build_image(client, ctx, args, [f"{TEST_REPO}:cuda-path"])
+    fl = FLAVOURS["cuda"]
+    pre = preflight(real, fl)
+    ctx = stage_context(real, fl, tmp_path / "ctx", host_ca_bundle(), trees=pre.trees)
+    args = build_args(fl, pre, base)
+    result = build_image(client, ctx, args, [f"{TEST_REPO}:cuda-path"])
     assert result.labels["io.gdn.flavour"] == "cuda"
     assert result.labels["org.opencontainers.image.base.name"] == base
     out = client.containers.run(result.image_id, ["python", "-c", (
@@ -310,5 +314,5 @@ def test_cuda_flavour_path_on_a_torch_base(client, tmp_path):
     seen = json.loads(out.decode().strip().splitlines()[-1])
     assert seen["torch"].startswith("/usr/local/lib/python3.11/dist-packages/torch")
     assert seen["triton"] == "3.6.0" and seen["fla"] == "0.4.2"
-    report = img.run_gate(client, result.image_id, gpus=False)
+    report = run_gate(client, result.image_id, gpus=False)
     assert report["ok"], report["reason"]

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from backport import image as img
-from backport.image_lock import (BASE_PROVIDED, SDIST_ONLY, TARGETS, LockEntry, base_provided, parse_lock,
-                                 parse_report, render_lock, requested_requirements, unmet_requirements)
+from image_pipeline.build import FLA_PIN, TRITON_PIN, build_args, stage_context
+from image_pipeline.inputs import CPU_TORCH_WHEEL, FLAVOURS, Inputs, Preflight, flavour_lock
+from image_pipeline.lock import (BASE_PROVIDED, SDIST_ONLY, TARGETS, LockEntry, base_provided, parse_lock, parse_report,
+                        render_lock, requested_requirements, unmet_requirements)
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
@@ -98,11 +99,11 @@ def test_unmet_requirements_checks_versions_against_lock_and_base():
 
 @pytest.mark.parametrize("flavour", ["cpu", "cuda"])
 def test_committed_locks_pin_fla_triton_and_bridge_deps(flavour):
-    path = img.flavour_lock(flavour)
+    path = flavour_lock(flavour)
     entries = parse_lock(path.read_text())
-    assert entries["flash-linear-attention"].version == img.FLA_PIN
-    assert entries["fla-core"].version == img.FLA_PIN
-    assert entries["triton"].version == img.TRITON_PIN
+    assert entries["flash-linear-attention"].version == FLA_PIN
+    assert entries["fla-core"].version == FLA_PIN
+    assert entries["triton"].version == TRITON_PIN
     for name in ("nvidia-modelopt", "omegaconf", "hydra-core", "datasets", "transformers", "wandb", "mlflow"):
         assert name in entries, f"{name} missing from {path.name}"
     assert all(e.hashes for e in entries.values())
@@ -114,10 +115,10 @@ def test_committed_locks_pin_fla_triton_and_bridge_deps(flavour):
 
 
 def test_cuda_lock_has_no_cuda_runtime_and_the_312_only_packages():
-    entries = parse_lock(img.flavour_lock("cuda").read_text())
+    entries = parse_lock(flavour_lock("cuda").read_text())
     assert not [n for n in entries if re.match(r"nvidia-(cudnn|cublas|nccl|cusparse)-cu1\d", n)]
     assert "emerging-optimizers" in entries  # python_version >= "3.12" in requirements.in
-    assert "emerging-optimizers" not in parse_lock(img.flavour_lock("cpu").read_text())
+    assert "emerging-optimizers" not in parse_lock(flavour_lock("cpu").read_text())
 
 
 def test_requested_requirements_strip_comments():
@@ -164,7 +165,7 @@ def test_every_dependency_bridge_declares_is_locked_or_named():
 def test_both_locks_hold_what_requirements_in_asks():
     required = _names(r.split(";")[0] for r in requested_requirements(DOCKER / "requirements.in"))
     for flavour in ("cpu", "cuda"):
-        locked = set(parse_lock(img.flavour_lock(flavour).read_text()))
+        locked = set(parse_lock(flavour_lock(flavour).read_text()))
         only_312 = {"emerging-optimizers"} if flavour == "cpu" else set()  # python_version >= "3.12"
         missing = required - locked - only_312
         assert not missing, f"{flavour}: {missing}"
@@ -181,12 +182,12 @@ def test_cuda_and_cpu_share_every_dockerfile_stage(tmp_path):
     (base / "megatron" / "core" / "m.py").write_text("X = 1\n")
     trees = {"base_tree_sha256": "a" * 64, "patched_tree_sha256": "b" * 64,
              "tree_files": {"base": {}, "patched_changes": {}}}
-    wheel = tmp_path / img.CPU_TORCH_WHEEL.name
+    wheel = tmp_path / CPU_TORCH_WHEEL.name
     wheel.write_bytes(b"w")
     ctx = {}
     for flavour in ("cpu", "cuda"):
-        inputs = img.Inputs(tree=base, lock=img.flavour_lock(flavour), torch_wheel=wheel)
-        ctx[flavour] = img.stage_context(inputs, img.FLAVOURS[flavour], tmp_path / f"ctx-{flavour}", trees=trees)
+        inputs = Inputs(tree=base, lock=flavour_lock(flavour), torch_wheel=wheel)
+        ctx[flavour] = stage_context(inputs, FLAVOURS[flavour], tmp_path / f"ctx-{flavour}", trees=trees)
 
     def files(root):
         return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
@@ -197,9 +198,9 @@ def test_cuda_and_cpu_share_every_dockerfile_stage(tmp_path):
     dockerfile = cpu["Dockerfile"].decode()
     assert [line for line in dockerfile.splitlines() if line.startswith("FROM ")] == [
         "FROM ${BASE_IMAGE} AS deps", "FROM ${BASE_IMAGE} AS src", "FROM ${BASE_IMAGE} AS image"]
-    pre = img.Preflight(patch_sha256="p", manifest_sha256="m", lock_sha256="l", tree_sha256="t",
+    pre = Preflight(patch_sha256="p", manifest_sha256="m", lock_sha256="l", tree_sha256="t",
                         patch_name="n", pins={}, lock_pins={}, hunks=1, trees=trees)
-    args = {f: img.build_args(img.FLAVOURS[f], pre) for f in ("cpu", "cuda")}
+    args = {f: build_args(FLAVOURS[f], pre) for f in ("cpu", "cuda")}
     assert sorted(k for k in args["cpu"] if args["cpu"][k] != args["cuda"][k]) == [
         "BASE_IMAGE", "GDN_FLAVOUR", "TORCH_FROM"]
 

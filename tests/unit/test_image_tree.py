@@ -15,9 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from backport import image as img
-from backport import image_cli
 from backport import tree_digest as td
+from backport.tree_digest import sha256_file
+from image_pipeline import cli as image_cli
+from image_pipeline.build import TREE_DIGEST_SCRIPT, BuildTracker, classify_build_error
+from image_pipeline.errors import BuildStepFailed, InputError, TreeDrift
+from image_pipeline.gate import image_tree_check, junit_cases, require_gate_ok, run_gate, tree_check_failure
+from image_pipeline.inputs import CPU_BASE_IMAGE, FLAVOURS, Inputs, preflight, read_tree_lock, tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
@@ -59,12 +63,12 @@ def test_module_and_the_script_in_the_image_give_the_same_digest(tmp_path):
     parent = _tree(tmp_path / "t")
     ctx_script = tmp_path / "bin" / "tree_digest.py"
     ctx_script.parent.mkdir()
-    shutil.copy2(img.TREE_DIGEST_SCRIPT, ctx_script)
+    shutil.copy2(TREE_DIGEST_SCRIPT, ctx_script)
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONNOUSERSITE": "1"}  # no backport on sys.path
     out = subprocess.run([sys.executable, "-S", str(ctx_script), str(parent), "--ids"], env=env,
                          capture_output=True, text=True, check=True, cwd=tmp_path)
     seen = json.loads(out.stdout)
-    assert seen["sha256"] == td.tree_digest(parent) == img.tree_digest(parent)
+    assert seen["sha256"] == td.tree_digest(parent) == tree_digest(parent)
     assert seen["ids"] == td.file_ids(td.listing(parent))
     assert seen["files"] == 3
 
@@ -116,11 +120,11 @@ def _scratch_root(tmp_path: Path, trees: dict | None = None) -> Path:
     (root / "patch").mkdir()
     (root / "patch" / "megatron.patch").write_text(GOOD_PATCH)
     (root / "patch" / "manifest.json").write_text(json.dumps(
-        {"patch": {"sha256": img.sha256_file(root / "patch" / "megatron.patch")}}))
+        {"patch": {"sha256": sha256_file(root / "patch" / "megatron.patch")}}))
     trees = trees or td.lock_fields(root / "base", GOOD_PATCH.encode())
     (root / "patch" / "trees.json").write_text(json.dumps(trees))
     (root / "bin").mkdir()
-    shutil.copy2(img.TREE_DIGEST_SCRIPT, root / "bin" / "tree_digest.py")
+    shutil.copy2(TREE_DIGEST_SCRIPT, root / "bin" / "tree_digest.py")
     return root
 
 
@@ -202,23 +206,23 @@ def test_apply_script_refuses_a_context_without_tree_digests(tmp_path):
 # --------------------------------------------------------------------------- host side
 
 @pytest.fixture
-def inputs(tmp_path) -> img.Inputs:
+def inputs(tmp_path) -> Inputs:
     tree = _tree(tmp_path / "tree")
     patch = tmp_path / "megatron.patch"
     patch.write_text(GOOD_PATCH)
     manifest = tmp_path / "manifest.json"
-    manifest.write_text(json.dumps({"patch": {"name": "x.patch", "sha256": img.sha256_file(patch)}}))
+    manifest.write_text(json.dumps({"patch": {"name": "x.patch", "sha256": sha256_file(patch)}}))
     lock = tmp_path / "lock.json"
     lock.write_text(json.dumps({"date": "2026-01-01", **td.lock_fields(tree, GOOD_PATCH.encode())}))
-    return img.Inputs(tree=tree, patch=patch, manifest=manifest, tree_lock=lock)
+    return Inputs(tree=tree, patch=patch, manifest=manifest, tree_lock=lock)
 
 
 @needs_patch
 @pytest.mark.parametrize("kind, named", DRIFTS)
 def test_preflight_refuses_a_drifted_tree_with_exit_13(inputs, kind, named):
     _drift(inputs.tree, kind)
-    with pytest.raises(img.TreeDrift) as info:
-        img.preflight(inputs, img.FLAVOURS["cuda"])
+    with pytest.raises(TreeDrift) as info:
+        preflight(inputs, FLAVOURS["cuda"])
     assert info.value.exit_code == 13
     assert f"first differing file: {named}" in info.value.message
     assert "tools/backport --upstream 5139086e" in info.value.hint
@@ -227,8 +231,8 @@ def test_preflight_refuses_a_drifted_tree_with_exit_13(inputs, kind, named):
 @needs_patch
 def test_preflight_refuses_a_lock_without_tree_digests(inputs):
     inputs.tree_lock.write_text(json.dumps({"date": "2026-01-01", "schema": 1}))
-    with pytest.raises(img.InputError, match="predates the tree digests") as info:
-        img.preflight(inputs, img.FLAVOURS["cuda"])
+    with pytest.raises(InputError, match="predates the tree digests") as info:
+        preflight(inputs, FLAVOURS["cuda"])
     assert info.value.exit_code == 13
 
 
@@ -247,24 +251,24 @@ def test_cli_exits_13_on_a_drifted_tree_before_docker(inputs, capsys, monkeypatc
 @pytest.mark.parametrize("lines, cls, words", [
     (["Step 12/20 : RUN sh /opt/gdn/bin/apply-patch.sh",
       "error: [base-tree] the pristine tree's sha256 0a0a0a0a0a0a is not the lock's 1b1b1b1b1b1b; "
-      "first differing file: megatron/core/other.py (changed)"], img.TreeDrift,
+      "first differing file: megatron/core/other.py (changed)"], TreeDrift,
      "first differing file: megatron/core/other.py (changed)"),
     (["Step 12/20 : RUN sh /opt/gdn/bin/apply-patch.sh", "==> [patch-apply] patch -p1",
       "Hunk #1 succeeded at 2 (offset 1 line).",
       "error: [patch-apply] the patch applies only with an offset or fuzz; the tree is not the one it was made "
-      "against:"], img.TreeDrift, "offset"),
+      "against:"], TreeDrift, "offset"),
     (["Step 12/20 : RUN sh /opt/gdn/bin/apply-patch.sh", "==> [patch-apply] patch -p1",
       "error: [patch-apply] the patch does not apply with zero fuzz to the pristine tree (a hunk was rejected)"],
-     img.BuildStepFailed, "rejected"),
+     BuildStepFailed, "rejected"),
 ])
 def test_build_errors_of_the_tree_steps_exit_13(lines, cls, words):
-    tracker = img.BuildTracker()
+    tracker = BuildTracker()
     for line in lines:
         tracker.feed({"stream": line + "\n"})
     tracker.feed({"errorDetail": {"message": "The command returned a non-zero code: 13"}})
-    err = img.classify_build_error(tracker, img.CPU_BASE_IMAGE)
+    err = classify_build_error(tracker, CPU_BASE_IMAGE)
     assert type(err) is cls and words in str(err)
-    assert err.exit_code == (13 if cls is img.TreeDrift else 9)
+    assert err.exit_code == (13 if cls is TreeDrift else 9)
 
 
 # --------------------------------------------------------------------------- gate
@@ -300,21 +304,21 @@ def test_gate_digests_the_trees_inside_the_image(inputs, tmp_path):
     patched = tmp_path / "patched"
     shutil.copytree(inputs.tree, patched)
     subprocess.run(["patch", "-p1", "-s", "-i", "-"], cwd=patched, input=GOOD_PATCH, text=True, check=True)
-    trees = img.read_tree_lock(inputs.tree_lock)
+    trees = read_tree_lock(inputs.tree_lock)
     client = _Client(_image_outputs(inputs.tree, patched))
-    check = img.image_tree_check(client, _Image.id, trees)
+    check = image_tree_check(client, _Image.id, trees)
     assert check["base"]["ok"] and check["patched"]["ok"], check
     assert "/opt/gdn/bin/tree_digest.py /opt/gdn/tree --ids" in client.containers.commands[0][-1]
-    assert img.tree_check_failure(check) is None
+    assert tree_check_failure(check) is None
 
     (patched / "megatron" / "core" / "other.py").write_text("drift\n")
     client = _Client(_image_outputs(inputs.tree, patched))
-    report = img.run_gate(client, _Image.id, gpus=False, trees=trees)
+    report = run_gate(client, _Image.id, gpus=False, trees=trees)
     assert not report["ok"] and report["suite"]["part"] == "not run"
     assert "first differing file: megatron/core/other.py (changed)" in report["reason"]
     assert [c["outcome"] for c in report["checks"]] == ["passed", "failed"]
-    with pytest.raises(img.TreeDrift) as info:
-        img.require_gate_ok(report)
+    with pytest.raises(TreeDrift) as info:
+        require_gate_ok(report)
     assert info.value.exit_code == 13
 
 
@@ -324,6 +328,6 @@ def test_junit_cases_and_listed_checks():
            '<testcase classname="test_image_tree_drift" name="test_x"><failure message="m"/></testcase>'
            '<testcase classname="test_image_config" name="test_y"><skipped/></testcase>'
            '</testsuite></testsuites>')
-    assert img.junit_cases(xml) == {"test_image_bridge::test_import": "passed",
+    assert junit_cases(xml) == {"test_image_bridge::test_import": "passed",
                                     "test_image_config::test_y": "skipped",
                                     "test_image_tree_drift::test_x": "failed"}

@@ -1,4 +1,4 @@
-"""Command line of the image pipeline (`tools/image`): parses flags, calls backport.image, prints.
+"""Command line of the image pipeline (`tools/image`): parses flags, calls the stage modules, prints.
 
 Progress and diagnostics go to stderr; results (JSON paths, the image id) to stdout.
 Exit codes: 0 ok; 1 unexpected; 2 usage; 9 a build step failed; 10 no Docker Engine;
@@ -15,8 +15,17 @@ from typing import Optional
 
 import click
 
-from . import image as img
-from .errors import PipelineError
+from backport.errors import PipelineError
+from backport.tree_digest import sha256_file
+
+from .build import (IMAGE_REPO, BuildResult, build_args, build_image, host_ca_bundle, image_tags, one_line_change,
+                    stage_context)
+from .engine import (DEFAULT_MIN_FREE_GIB, MIN_FREE_GIB, DiskPeak, check_disk, docker_client, docker_storage,
+                     ensure_base_image, image_exists, pull_image)
+from .errors import PULL_FAILED_HINT, BaseImageMissing
+from .gate import require_gate_ok, run_gate, write_json
+from .inputs import (CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, REPO_ROOT, Inputs, flavour_lock, preflight,
+                     read_tree_lock)
 
 try:
     from rich.console import Console
@@ -25,7 +34,7 @@ try:
 except ImportError:  # rich is a dependency; plain stderr still works without it
     _console = None
 
-RESULTS = img.REPO_ROOT / "results" / "pipeline"
+RESULTS = REPO_ROOT / "results" / "pipeline"
 
 
 def say(text: str, style: str = "") -> None:
@@ -45,13 +54,13 @@ def stream_line(line: str) -> None:
         say(f"  {line}", "dim")
 
 
-def _inputs(tree, patch, manifest, lock, torch_wheel, tree_lock=None, flavour=None) -> img.Inputs:
-    base = img.Inputs()
-    return img.Inputs(
+def _inputs(tree, patch, manifest, lock, torch_wheel, tree_lock=None, flavour=None) -> Inputs:
+    base = Inputs()
+    return Inputs(
         tree=Path(tree) if tree else base.tree,
         patch=Path(patch) if patch else base.patch,
         manifest=Path(manifest) if manifest else base.manifest,
-        lock=Path(lock) if lock else img.flavour_lock(flavour) if flavour else base.lock,
+        lock=Path(lock) if lock else flavour_lock(flavour) if flavour else base.lock,
         torch_wheel=Path(torch_wheel) if torch_wheel else base.torch_wheel,
         tree_lock=Path(tree_lock) if tree_lock else base.tree_lock,
     )
@@ -59,7 +68,7 @@ def _inputs(tree, patch, manifest, lock, torch_wheel, tree_lock=None, flavour=No
 
 def _build_options(f):
     options = [
-        click.option("--flavour", type=click.Choice(sorted(img.FLAVOURS)), default="cuda", show_default=True,
+        click.option("--flavour", type=click.Choice(sorted(FLAVOURS)), default="cuda", show_default=True,
                      help="cuda: NGC PyTorch base, for users. cpu: local Debian base + CPU torch, for gating."),
         click.option("--base-image", default=None, help="Override the flavour's BASE_IMAGE."),
         click.option("--tree", type=click.Path(), help="Tree root holding megatron/ [build/tree/base]."),
@@ -69,13 +78,13 @@ def _build_options(f):
                      help="Requirements lock [docker/requirements-<flavour>.lock]."),
         click.option("--tree-lock", type=click.Path(),
                      help="Backport lock with the tree digests [manifests/lock.json]."),
-        click.option("--torch-wheel", type=click.Path(), help=f"cpu torch wheel [{img.CPU_TORCH_WHEEL}]."),
+        click.option("--torch-wheel", type=click.Path(), help=f"cpu torch wheel [{CPU_TORCH_WHEEL}]."),
         click.option("--no-cache", is_flag=True, help="Build every layer again."),
         click.option("--pull", is_flag=True, help="Pull a missing base image (cuda flavour; needs a registry)."),
         click.option("--min-free-gb", type=float, default=None,
                      help="Refuse to start with less free disk (GiB) under Docker's root "
-                          f"[by storage driver: {', '.join(f'{d} {g:g}' for d, g in sorted(img.MIN_FREE_GIB.items()))}; "
-                          f"others {img.DEFAULT_MIN_FREE_GIB:g}]."),
+                          f"[by storage driver: {', '.join(f'{d} {g:g}' for d, g in sorted(MIN_FREE_GIB.items()))}; "
+                          f"others {DEFAULT_MIN_FREE_GIB:g}]."),
         click.option("--context-dir", type=click.Path(), default=None,
                      help="Where to stage the build context [build/image/context-<flavour>]."),
     ]
@@ -85,40 +94,40 @@ def _build_options(f):
 
 
 def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_cache, min_free_gb,
-             context_dir, pull=False, client=None, tags=None, tree_lock=None) -> img.BuildResult:
+             context_dir, pull=False, client=None, tags=None, tree_lock=None) -> BuildResult:
     """Preflight, base image, context, build: the shared part of `build`, `gate`, `measure`."""
-    fl = img.FLAVOURS[flavour]
+    fl = FLAVOURS[flavour]
     inputs = _inputs(tree, patch, manifest, lock, torch_wheel, tree_lock, flavour)
-    pre = img.preflight(inputs, fl)
+    pre = preflight(inputs, fl)
     say(f"==> [preflight] patch {pre.patch_name} sha256 {pre.patch_sha256[:12]}, {pre.hunks} hunks; "
         f"flavour {fl.name}; pristine tree sha256 {pre.tree_sha256[:12]} equals {inputs.tree_lock.name}'s", "cyan")
-    client = client or img.docker_client()
-    root, driver = img.docker_storage(client)
-    free = img.check_disk(root, min_free_gb, driver)
+    client = client or docker_client()
+    root, driver = docker_storage(client)
+    free = check_disk(root, min_free_gb, driver)
     say(f"==> [preflight] {free:.0f} GiB free under {root} (storage driver {driver})", "cyan")
     base = base_image or fl.base_image
     base_record = {"ref": base, "made": False, "seconds": 0.0}
-    if fl.name == "cpu" and base == img.CPU_BASE_IMAGE:
-        made = img.ensure_base_image(client, base, on_line=stream_line)
+    if fl.name == "cpu" and base == CPU_BASE_IMAGE:
+        made = ensure_base_image(client, base, on_line=stream_line)
         if made["created"]:
             base_record.update(made=True, seconds=made["seconds"])
             say(f"==> [base-image] made {base} in {made['seconds']} s", "cyan")
-    elif not img.image_exists(client, base):
+    elif not image_exists(client, base):
         if not pull:
-            raise img.BaseImageMissing(f"base image {base} is not on this machine (the build never pulls "
+            raise BaseImageMissing(f"base image {base} is not on this machine (the build never pulls "
                                        f"unless asked with --pull)")
         say(f"==> [base-image] pulling {base}", "cyan")
         try:
-            img.pull_image(client, base, on_line=stream_line)
-        except img.BaseImageMissing as exc:  # --pull was given: the default hint's "add --pull" would mislead
-            raise img.BaseImageMissing(exc.message, img.PULL_FAILED_HINT) from exc
+            pull_image(client, base, on_line=stream_line)
+        except BaseImageMissing as exc:  # --pull was given: the default hint's "add --pull" would mislead
+            raise BaseImageMissing(exc.message, PULL_FAILED_HINT) from exc
         base_record["pulled"] = True
-    ctx = Path(context_dir) if context_dir else img.REPO_ROOT / "build" / "image" / f"context-{fl.name}"
-    img.stage_context(inputs, fl, ctx, img.host_ca_bundle(), trees=pre.trees)
+    ctx = Path(context_dir) if context_dir else REPO_ROOT / "build" / "image" / f"context-{fl.name}"
+    stage_context(inputs, fl, ctx, host_ca_bundle(), trees=pre.trees)
     say(f"==> [context] staged {ctx}", "cyan")
-    args = img.build_args(fl, pre, base)
-    tags = tags or img.image_tags(fl, pre)
-    result = img.build_image(client, ctx, args, tags, on_line=stream_line, nocache=no_cache)
+    args = build_args(fl, pre, base)
+    tags = tags or image_tags(fl, pre)
+    result = build_image(client, ctx, args, tags, on_line=stream_line, nocache=no_cache)
     result.base_image = base_record
     say(f"==> [build] {result.tags[0]} = {result.image_id[:19]} in {result.seconds} s "
         f"({result.cached_steps}/{len(result.steps)} steps cached)", "bold green")
@@ -137,7 +146,7 @@ def build(json_out, **kw):
     """Build the image from the pinned tree and the verified patch (`make image`)."""
     result = do_build(**kw)
     if json_out:
-        img.write_json(Path(json_out), result.to_dict())
+        write_json(Path(json_out), result.to_dict())
     click.echo(result.image_id)
 
 
@@ -153,32 +162,32 @@ def gate(image_ref, gpus, report, **kw):
     First checks the image's trees: their digests, computed inside the image, must be the
     ones manifests/lock.json records (exit 13 names the first differing file).
     """
-    client = img.docker_client()
-    trees = img.read_tree_lock(Path(kw["tree_lock"]) if kw.get("tree_lock") else img.Inputs().tree_lock)
+    client = docker_client()
+    trees = read_tree_lock(Path(kw["tree_lock"]) if kw.get("tree_lock") else Inputs().tree_lock)
     build_record = None
     if image_ref is None:
         result = do_build(client=client, **kw)
         image_ref, build_record = result.image_id, result
     say(f"==> [suite] running the image's regression suite in {image_ref[:19]}", "cyan")
-    data = img.run_gate(client, image_ref, gpus={"auto": None, "on": True, "off": False}[gpus],
+    data = run_gate(client, image_ref, gpus={"auto": None, "on": True, "off": False}[gpus],
                         on_line=stream_line, trees=trees)
     if build_record is not None:
         data["build"] = {"seconds": build_record.seconds, "cached_steps": build_record.cached_steps,
                          "steps": len(build_record.steps)}
-    path = img.write_json(Path(report), data)
+    path = write_json(Path(report), data)
     s = data["suite"]
     say(f"==> [gate] {'PASS' if data['ok'] else 'REFUSED'}: {s['passed']} passed, {s['failed']} failed, "
         f"{s['errors']} errors, {s['skipped']} skipped; report {path}", "bold green" if data["ok"] else "bold red")
     click.echo(str(path))
-    img.require_gate_ok(data)
+    require_gate_ok(data)
 
 
 @cli.command()
-@click.option("--tag", default=img.CPU_BASE_IMAGE, show_default=True)
+@click.option("--tag", default=CPU_BASE_IMAGE, show_default=True)
 def base(tag):
     """Make the local cpu base image (debootstrap bookworm minbase + python3, venv, patch)."""
-    client = img.docker_client()
-    made = img.ensure_base_image(client, tag, on_line=stream_line)
+    client = docker_client()
+    made = ensure_base_image(client, tag, on_line=stream_line)
     say(f"==> [base-image] {tag}: {'made in %s s' % made['seconds'] if made['created'] else 'already present'}",
         "cyan")
     click.echo(tag)
@@ -186,18 +195,18 @@ def base(tag):
 
 @cli.command()
 @click.option("--flavour", type=click.Choice(["cpu", "cuda", "all"]), default="all", show_default=True)
-@click.option("--torch-wheel", type=click.Path(exists=True), default=str(img.CPU_TORCH_WHEEL), show_default=True)
+@click.option("--torch-wheel", type=click.Path(exists=True), default=str(CPU_TORCH_WHEEL), show_default=True)
 def lock(flavour, torch_wheel):
     """Regenerate docker/requirements-<flavour>.lock from docker/requirements.in (needs PyPI).
 
     cpu resolves on CPython 3.11 next to the cpu torch wheel; cuda on CPython 3.12 next to
     torch 2.10.0 (the NGC base's), leaving out what that base provides.
     """
-    from .image_lock import TARGETS, write_lock
+    from .lock import TARGETS, write_lock
 
-    inputs = img.Inputs()
+    inputs = Inputs()
     for name in (["cpu", "cuda"] if flavour == "all" else [flavour]):
-        path = img.flavour_lock(name)
+        path = flavour_lock(name)
         entries = write_lock(inputs.docker_dir / "requirements.in", TARGETS[name], path, Path(torch_wheel))
         say(f"==> [lock] {name}: {len(entries)} packages pinned with hashes in {path}", "cyan")
         click.echo(str(path))
@@ -214,10 +223,10 @@ def check_lock(flavour, lock_path):
     manylinux x86_64 up to glibc 2.39), then every declared dependency of every pin, markers
     evaluated for the target, must be met by a pin or by what the base provides.
     """
-    from .image_lock import TARGETS, check_lock as run_check
+    from .lock import TARGETS, check_lock as run_check
 
-    path = Path(lock_path) if lock_path else img.flavour_lock(flavour)
-    result = run_check(path, TARGETS[flavour], img.Inputs().docker_dir / "requirements.in")
+    path = Path(lock_path) if lock_path else flavour_lock(flavour)
+    result = run_check(path, TARGETS[flavour], Inputs().docker_dir / "requirements.in")
     say(f"==> [check-lock] {path.name}: {result['packages']} packages install on CPython {result['python']} "
         f"({result['platforms']}) with their hashes; every declared dependency is met", "bold green")
     click.echo(json.dumps(result, sort_keys=True))
@@ -233,30 +242,30 @@ def measure(out, **kw):
     """
     import json
 
-    client = img.docker_client()
+    client = docker_client()
     kw = dict(kw)
-    root, _driver = img.docker_storage(client)
-    with img.DiskPeak(root) as disk:
+    root, _driver = docker_storage(client)
+    with DiskPeak(root) as disk:
         kw["no_cache"] = True
         say("==> [measure] cold build (no layer cache)", "bold")
-        cold = do_build(client=client, tags=[f"{img.IMAGE_REPO}-measure:cold"], **kw)
+        cold = do_build(client=client, tags=[f"{IMAGE_REPO}-measure:cold"], **kw)
         inputs = _inputs(kw["tree"], kw["patch"], kw["manifest"], kw["lock"], kw["torch_wheel"], kw["tree_lock"],
                          kw["flavour"])
-        probe = img.REPO_ROOT / "build" / "image" / "probe"
+        probe = REPO_ROOT / "build" / "image" / "probe"
         probe.mkdir(parents=True, exist_ok=True)
-        changed = img.one_line_change(inputs.patch.read_text(encoding="utf-8"))
+        changed = one_line_change(inputs.patch.read_text(encoding="utf-8"))
         (probe / "megatron.patch").write_text(changed, encoding="utf-8")
         manifest = json.loads(inputs.manifest.read_text(encoding="utf-8"))
-        manifest.setdefault("patch", {})["sha256"] = img.sha256_file(probe / "megatron.patch")
-        img.write_json(probe / "manifest.json", manifest)
+        manifest.setdefault("patch", {})["sha256"] = sha256_file(probe / "megatron.patch")
+        write_json(probe / "manifest.json", manifest)
         # The changed patch makes another patched tree: the probe's lock records its digest.
         from backport.tree_digest import lock_fields
 
-        img.write_json(probe / "lock.json", lock_fields(inputs.tree, changed.encode()))
+        write_json(probe / "lock.json", lock_fields(inputs.tree, changed.encode()))
         kw.update(no_cache=False, patch=str(probe / "megatron.patch"), manifest=str(probe / "manifest.json"),
                   tree_lock=str(probe / "lock.json"))
         say("==> [measure] rebuild after a one-line patch change", "bold")
-        rebuilt = do_build(client=client, tags=[f"{img.IMAGE_REPO}-measure:rebuild"], **kw)
+        rebuilt = do_build(client=client, tags=[f"{IMAGE_REPO}-measure:rebuild"], **kw)
     info = client.info()
     data = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -280,7 +289,7 @@ def measure(out, **kw):
                              for s in rebuilt.steps],
         },
     }
-    path = img.write_json(Path(out), data)
+    path = write_json(Path(out), data)
     say(f"==> [measure] cold {cold.seconds} s, rebuild {rebuilt.seconds} s, disk peak "
         f"+{disk.peak_growth_bytes / 2**30:.1f} GiB; {path}", "bold green")
     click.echo(str(path))
@@ -294,7 +303,7 @@ def prune(everything):
     Keeps the untagged deps stages (label io.gdn.stage=deps), the layer cache of the
     slowest step, unless --all.
     """
-    client = img.docker_client()
+    client = docker_client()
     c = client.containers.prune()
     filters = {"dangling": True}
     if not everything:
