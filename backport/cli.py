@@ -62,7 +62,7 @@ def _summary_table(m: dict, written: list, mode: str, timings: Optional[dict] = 
 
 
 def _date_choice(date: Optional[str], release: bool, out: Path, check: bool) -> tuple[Optional[str], str]:
-    """(date for :func:`engine.parse_date`, where it came from).
+    """(date for :func:`backport.options.parse_date`, where it came from).
 
     ``--date``, else SOURCE_DATE_EPOCH, else today with ``--release``, else the date of
     ``<out>/manifests/lock.json`` (so a plain run reproduces the committed lock), else today
@@ -184,7 +184,7 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
 
 def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, release, out,
          allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks):
-    from . import engine, locks, output
+    from . import engine, locks, options as run_options, output
     from .sources import default_cache_dir
 
     if dry_run and check:
@@ -193,10 +193,10 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         raise UsageError("--release makes new outputs; it excludes --check and --list-hunks.",
                          hint="Drop --release, or run it on its own.")
 
-    def options(day: Optional[str]) -> "engine.Options":
-        return engine.Options(
+    def options(day: Optional[str]) -> "run_options.Options":
+        return run_options.Options(
             recipe=recipe, upstream=upstream, megatron_lm=megatron_lm, megatron_bridge=megatron_bridge,
-            cache_dir=cache_dir or default_cache_dir(), carry=carry, date=engine.parse_date(day),
+            cache_dir=cache_dir or default_cache_dir(), carry=carry, date=run_options.parse_date(day),
             allow_pin_mismatch=allow_pin_mismatch, offline=offline, import_check=not no_import_check and not list_hunks,
             python=str(Path(python).absolute()) if "/" in python else python,
         )
@@ -206,7 +206,7 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         err.print(f"[dim]… {msg}[/dim]", highlight=False)
 
     # Inputs first (before any lock or work): flags, --date/SOURCE_DATE_EPOCH, --python.
-    engine.validate(options(date))
+    run_options.validate(options(date))
     if list_hunks:
         step["now"] = "listing the upstream hunks"
         for line in engine.list_hunks(options(date), progress=say):

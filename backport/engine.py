@@ -1,82 +1,34 @@
 """The backport job: sources -> base tree -> carry -> recipe -> patch -> attribution -> verify.
 
-:func:`build` computes everything in memory and returns a :class:`Build`; :func:`write`
-puts it on disk atomically; :func:`check` compares it with what is on disk. Nothing is
-written when any step or check fails.
+:func:`build` computes everything in memory and returns a :class:`Build` (the recipe steps run
+in :class:`_Run`; the patch text and its hunk attribution come from :mod:`backport.patchfile`,
+the run's inputs from :mod:`backport.options`); :mod:`backport.output` puts it on disk
+atomically or compares it with what is on disk. Nothing is written when any step or check fails.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import re
-import subprocess
-import tempfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from unidiff import PatchSet
-
 from . import __version__
 from .carry import apply_carry, check_paths, load_carry, read_base
-from .errors import ApplyError, BindingExists, PinError, PipelineError, RecipeError, SourceError, UsageError
-from .gitenv import isolated
+from .errors import ApplyError, BindingExists, PinError, PipelineError, RecipeError, SourceError
 from .recipe import AddFile, Recipe, Transform, Transplant, UpstreamFile, UpstreamHunks, check_coverage, load_recipe
-from .sources import Source, default_cache_dir, open_source
+from .sources import Source, open_source
 from .transforms import REGISTRY
 from .transforms.merge import CONFLICT_HINT, merge3, merge_carried_functions
 from .transforms.transplant import transplant
 from .tree import assemble_base_tree
+from .options import Options, fs_text, validate
+from .patchfile import attribute_hunks, make_patch
 from .upstream import UpstreamHunk, load_hunks
 from .workspace import FileState, Workspace, bindings, bindings_at, check_tree_path, new_bindings, split_lines
 
 ADAPTATIONS = Path(__file__).resolve().parent / "adaptations"
-GIT_ENV = {
-    "GIT_AUTHOR_NAME": "gdn-backport", "GIT_AUTHOR_EMAIL": "gdn-backport@localhost",
-    "GIT_COMMITTER_NAME": "gdn-backport", "GIT_COMMITTER_EMAIL": "gdn-backport@localhost",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
-}
-
-
-def fs_text(name: str) -> str:
-    """A file name as text for the manifest: its bytes read as UTF-8, whatever the locale.
-
-    Under a non-UTF-8 locale (``LC_ALL=C PYTHONUTF8=0``) Python hands non-ASCII names over as
-    surrogate escapes, which cannot be written as UTF-8; undecodable bytes become ``\\xNN``.
-    """
-    return os.fsencode(name).decode("utf-8", errors="backslashreplace")
-
-
-@dataclass
-class Options:
-    """Inputs of one run (flags of ``tools/backport``).
-
-    Attributes:
-        recipe: recipe YAML path.
-        upstream: upstream commit (full or unique short SHA); must be the recipe's.
-        megatron_lm, megatron_bridge: URL or path of each source (None: env var or GitHub).
-        cache_dir: bare-repo and tree cache.
-        carry: downstream patch applied first (zero fuzz), or None.
-        date: ``YYYYMMDD`` of the output names and manifest.
-        allow_pin_mismatch: accept an MCore base that differs from the Bridge ``.dev.commit``.
-        offline: use only the cache.
-        import_check: run the import check (needs torch, triton 3.6 and FLA 0.4.2).
-        python: interpreter for the import check.
-    """
-
-    recipe: Path
-    upstream: Optional[str] = None
-    megatron_lm: Optional[str] = None
-    megatron_bridge: Optional[str] = None
-    cache_dir: Path = field(default_factory=default_cache_dir)
-    carry: Optional[Path] = None
-    date: str = "19700101"
-    allow_pin_mismatch: bool = False
-    offline: bool = False
-    import_check: bool = True
-    python: str = "python3"
 
 
 @dataclass
@@ -97,49 +49,6 @@ class Build:
     timings: dict
     cold: bool
     recipe: Recipe
-
-
-def _git(cwd: Path, *args: str) -> str:
-    env = isolated(GIT_ENV)
-    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, encoding="utf-8").stdout
-
-
-def make_patch(files: list, header: str) -> str:
-    """Unified git-style diff (``a/``/``b/`` prefixes, full index) of changed files.
-
-    Files are written and the diff read as bytes (UTF-8), so CRLF line ends and a missing
-    final newline are reproduced exactly; deleted files and carried mode changes appear as
-    git writes them (GNU patch applies both).
-
-    Args:
-        files: :class:`~backport.workspace.FileState` objects that changed, sorted by path.
-        header: comment text put before the first ``diff --git`` line.
-    """
-    def put(path: Path, text: str, mode) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(text.encode("utf-8"))
-        if mode:
-            path.chmod(0o755 if mode == "100755" else 0o644)
-
-    with tempfile.TemporaryDirectory(prefix="gdn-diff-") as tmp:
-        root = Path(tmp)
-        _git(root, "init", "-q")
-        for f in files:
-            if f.exists_in_base:
-                put(root / f.path, "".join(f.base_lines), f.base_mode)
-        _git(root, "add", "-A")
-        _git(root, "commit", "-q", "--allow-empty", "-m", "base")
-        for f in files:
-            if f.exists:
-                put(root / f.path, f.text, f.mode or f.base_mode)
-            elif (root / f.path).exists():
-                (root / f.path).unlink()
-        _git(root, "add", "-A")
-        env = isolated(GIT_ENV)
-        diff = subprocess.run(["git", "-c", "core.filemode=true", "diff", "--cached", "--no-color", "--no-renames",
-                               "--no-ext-diff", "--full-index", "-U3", "--src-prefix=a/", "--dst-prefix=b/"],
-                              cwd=root, env=env, check=True, capture_output=True).stdout.decode("utf-8")
-    return header + diff
 
 
 class _Run:
@@ -404,61 +313,6 @@ def _step_paths(step, hunks: dict) -> list[str]:
     return [step.path] if hasattr(step, "path") else []
 
 
-def _attribute(patch_text: str, ws: Workspace, origins: dict) -> tuple[list, dict]:
-    """Attribute every +/- line of the patch to one origin.
-
-    Returns:
-        (files, stats): per-file hunk records, and counts of exact/neighbour attributions.
-
-    Lines that git's diff aligns differently from the step-wise tracking (a moved blank
-    line, say) take the origin of the nearest attributed line of the same hunk; they are
-    counted as ``by_neighbour``.
-    """
-    stats = Counter()
-    files = []
-    for pfile in PatchSet(split_lines(patch_text)):
-        state = ws.files[pfile.path]
-        hunks = []
-        for n, hunk in enumerate(pfile, start=1):
-            labels = []
-            for line in hunk:
-                if line.is_added:
-                    tag = state.tags[line.target_line_no - 1]
-                    labels.append(["+", tag[1] if tag[0] == "origin" else None])
-                elif line.is_removed:
-                    labels.append(["-", state.removed_by.get(line.source_line_no - 1)])
-            for i, label in enumerate(labels):
-                if label[1] is not None:
-                    stats["exact"] += 1
-                    continue
-                near = sorted((abs(j - i), j) for j, other in enumerate(labels) if other[1] is not None and j != i)
-                if not near:
-                    raise ApplyError(f"{pfile.path}: hunk {n} has a line with no origin; attribution failed.",
-                                     hint="Report this: a recipe step changed a line without being recorded.")
-                label[1] = labels[near[0][1]][1]
-                stats["by_neighbour"] += 1
-            per = {}
-            for sign, oid in labels:
-                rec = per.setdefault(oid, {"origin": oid, "kind": origins[oid]["kind"], "added": 0, "removed": 0})
-                rec["added" if sign == "+" else "removed"] += 1
-            hunks.append({
-                "id": f"{pfile.path}#{n}",
-                "header": str(hunk).splitlines()[0],
-                "added": hunk.added, "removed": hunk.removed,
-                "origins": sorted(per.values(), key=lambda r: r["origin"]),
-            })
-        record = {
-            "path": pfile.path,
-            "status": "added" if pfile.is_added_file else "deleted" if pfile.is_removed_file else "modified",
-            "added": pfile.added, "removed": pfile.removed,
-            "hunks": hunks,
-        }
-        if state.mode_origin and state.exists:
-            record["mode"] = {"old": state.base_mode, "new": state.mode, "origin": state.mode_origin}
-        files.append(record)
-    return files, dict(stats)
-
-
 def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> Build:
     """Run the whole job in memory and verify it; return the result.
 
@@ -528,7 +382,7 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
 
     run, patch_text = once(warn=progress)
     timings["recipe_s"] = time.perf_counter() - t2
-    files, attribution = _attribute(patch_text, run.ws, run.origins)
+    files, attribution = attribute_hunks(patch_text, run.ws, run.origins)
 
     upstream_records = []
     for h in hunk_list:
@@ -575,82 +429,6 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
     timings["total_s"] = time.perf_counter() - t0
     return Build(patch=patch_bytes, manifest=manifest, base_tree=base_tree, timings=timings,
                  cold=mlm.cold or bridge.cold, recipe=recipe)
-
-
-#: The dates outputs may carry: from the Unix epoch (SOURCE_DATE_EPOCH=0) to 9999-12-31, the
-#: last day a YYYYMMDD name can hold.
-DATE_RANGE = ("1970-01-01", "9999-12-31")
-EPOCH_MAX = 253402300799  # 9999-12-31T23:59:59Z
-
-
-def parse_date(value: Optional[str]) -> str:
-    """``YYYYMMDD`` from ``--date`` (YYYY-MM-DD or YYYYMMDD), else ``SOURCE_DATE_EPOCH``, else today (UTC).
-
-    Dates run from 1970-01-01 to 9999-12-31 (:data:`DATE_RANGE`); ``SOURCE_DATE_EPOCH`` is
-    whole seconds since 1970-01-01 UTC, 0 to :data:`EPOCH_MAX`.
-
-    Raises:
-        UsageError: malformed or out-of-range date or SOURCE_DATE_EPOCH.
-    """
-    import datetime as dt
-
-    if value is not None:
-        # strptime alone takes "2026131" as 2026-01-31 and "202611" as 2026-01-01: the digits'
-        # layout is checked first (ASCII digits only).
-        if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}|[0-9]{8}", value):
-            raise UsageError(f"--date {value!r} is not YYYY-MM-DD.", hint="For example --date 2026-11-29.")
-        for fmt in ("%Y-%m-%d", "%Y%m%d"):
-            try:
-                day = dt.datetime.strptime(value, fmt)
-                break
-            except ValueError:
-                pass
-        else:
-            raise UsageError(f"--date {value!r} is not YYYY-MM-DD.", hint="For example --date 2026-11-29.")
-        if day.year < 1970:
-            raise UsageError(f"--date {value!r} is out of range: dates run from {DATE_RANGE[0]} to {DATE_RANGE[1]}.",
-                             hint="Give a date from 1970-01-01 on, for example --date 2026-11-29.")
-        return day.strftime("%Y%m%d")
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    if epoch:
-        hint = "Unset SOURCE_DATE_EPOCH, or set it to whole seconds since 1970-01-01 UTC (`date -u +%s`)."
-        try:
-            if not re.fullmatch(r"-?[0-9]+", epoch):  # int() also takes "1_700", " 17 ", "+17" and other scripts' digits
-                raise ValueError(epoch)
-            seconds = int(epoch)
-        except ValueError as exc:
-            raise UsageError(f"SOURCE_DATE_EPOCH={epoch!r} is not an integer.", hint=hint) from exc
-        if not 0 <= seconds <= EPOCH_MAX:
-            raise UsageError(f"SOURCE_DATE_EPOCH={epoch!r} is out of range: it must be 0 to {EPOCH_MAX} "
-                             f"({DATE_RANGE[0]} to {DATE_RANGE[1]}).", hint=hint)
-        return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y%m%d")
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
-
-
-def validate(opts: Options) -> None:
-    """Check the inputs that can be checked before any work (called first by :func:`build`).
-
-    Raises:
-        UsageError: ``opts.date`` is not a YYYYMMDD day in :data:`DATE_RANGE`, or the
-            import check is on and ``opts.python`` is not an executable interpreter.
-    """
-    import datetime as dt
-    import shutil
-
-    try:
-        day = dt.datetime.strptime(opts.date, "%Y%m%d")
-    except (TypeError, ValueError):
-        day = None
-    if day is None or day.year < 1970 or len(opts.date) != 8:
-        raise UsageError(f"date {opts.date!r} is not a YYYYMMDD day from {DATE_RANGE[0]} to {DATE_RANGE[1]}.",
-                         hint="For example --date 2026-11-29.")
-    if opts.import_check:
-        python = opts.python
-        found = python if "/" in python else shutil.which(python)
-        if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
-            raise UsageError(f"--python {python}: no such executable interpreter; it runs the import check.",
-                             hint="Pass an interpreter with torch, triton 3.6.0 and FLA 0.4.2 (e.g. "
-                                  "--python $PWD/.venv/bin/python after `make venv`), or --no-import-check.")
 
 
 def list_hunks(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> list[str]:

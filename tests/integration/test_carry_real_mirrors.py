@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from backport import engine
+from backport import engine, options
 from backport.errors import ApplyError
 
 from test_real_mirrors import BRIDGE, MLM, RECIPE  # noqa: F401  (same mirror discovery and skip)
@@ -63,7 +63,7 @@ def cache(tmp_path_factory):
 
 
 def _build(cache: Path, carry: Path):
-    return engine.build(engine.Options(recipe=RECIPE, megatron_lm=MLM, megatron_bridge=BRIDGE, cache_dir=cache,
+    return engine.build(options.Options(recipe=RECIPE, megatron_lm=MLM, megatron_bridge=BRIDGE, cache_dir=cache,
                                        date="20261130", carry=carry, import_check=False))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from backport import engine, output
+from backport import engine, options, output
 from backport.sources import default_cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ HAVE_FLA = importlib.util.find_spec("fla") is not None and importlib.util.find_s
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
-    opts = engine.Options(recipe=RECIPE, megatron_lm=MLM, megatron_bridge=BRIDGE,
+    opts = options.Options(recipe=RECIPE, megatron_lm=MLM, megatron_bridge=BRIDGE,
                           cache_dir=tmp_path_factory.mktemp("cache"), date="20261129",
                           import_check=HAVE_FLA, python=sys.executable)
     return engine.build(opts)

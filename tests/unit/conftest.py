@@ -267,7 +267,7 @@ def carry_patch(tmp_path, fake_repos) -> Path:
 @pytest.fixture
 def make_options(tmp_path, fake_repos):
     """``make_options(recipe, **overrides)``: engine Options on the fake repos, no import check."""
-    from backport.engine import Options
+    from backport.options import Options
 
     def make(recipe_path: Path, **kw) -> Options:
         defaults = dict(megatron_lm=str(fake_repos.mlm), megatron_bridge=str(fake_repos.bridge_repo),

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from backport.carry import REFUSALS, CarryRefused, carry_workspace
-from backport.engine import make_patch
+from backport.patchfile import make_patch
 from backport.errors import ApplyError
 
 from conftest import GIT_ENV

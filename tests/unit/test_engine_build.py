@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from backport import output
 from backport.cli import cli
-from backport.engine import Options, build, parse_date
+from backport.engine import build
+from backport.options import Options, parse_date
 from backport.errors import ApplyError, PinError, RecipeError, SourceError, UsageError, VerificationError
 
 from conftest import recipe_data, write_recipe

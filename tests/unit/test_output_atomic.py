@@ -70,7 +70,7 @@ def _spec(tmp: Path, name: str, b) -> Path:
 @pytest.fixture(scope="module")
 def builds(fake_repos, tmp_path_factory):
     """Builds A (2026-01-02), B (2026-01-03) and C (2026-01-02 with a carried patch)."""
-    from backport.engine import Options
+    from backport.options import Options
 
     from conftest import git_diff, gdn_text
 

@@ -1,0 +1,119 @@
+"""The output patch: ``megatron.patch`` written from the changed files (git's diff, byte-exact),
+and every hunk of it attributed to the recipe step or carried hunk its lines came from."""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from unidiff import PatchSet
+
+from .errors import ApplyError
+from .gitenv import isolated
+from .workspace import Workspace, split_lines
+
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "gdn-backport", "GIT_AUTHOR_EMAIL": "gdn-backport@localhost",
+    "GIT_COMMITTER_NAME": "gdn-backport", "GIT_COMMITTER_EMAIL": "gdn-backport@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
+}
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = isolated(GIT_ENV)
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, encoding="utf-8").stdout
+
+
+def make_patch(files: list, header: str) -> str:
+    """Unified git-style diff (``a/``/``b/`` prefixes, full index) of changed files.
+
+    Files are written and the diff read as bytes (UTF-8), so CRLF line ends and a missing
+    final newline are reproduced exactly; deleted files and carried mode changes appear as
+    git writes them (GNU patch applies both).
+
+    Args:
+        files: :class:`~backport.workspace.FileState` objects that changed, sorted by path.
+        header: comment text put before the first ``diff --git`` line.
+    """
+    def put(path: Path, text: str, mode) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text.encode("utf-8"))
+        if mode:
+            path.chmod(0o755 if mode == "100755" else 0o644)
+
+    with tempfile.TemporaryDirectory(prefix="gdn-diff-") as tmp:
+        root = Path(tmp)
+        _git(root, "init", "-q")
+        for f in files:
+            if f.exists_in_base:
+                put(root / f.path, "".join(f.base_lines), f.base_mode)
+        _git(root, "add", "-A")
+        _git(root, "commit", "-q", "--allow-empty", "-m", "base")
+        for f in files:
+            if f.exists:
+                put(root / f.path, f.text, f.mode or f.base_mode)
+            elif (root / f.path).exists():
+                (root / f.path).unlink()
+        _git(root, "add", "-A")
+        env = isolated(GIT_ENV)
+        diff = subprocess.run(["git", "-c", "core.filemode=true", "diff", "--cached", "--no-color", "--no-renames",
+                               "--no-ext-diff", "--full-index", "-U3", "--src-prefix=a/", "--dst-prefix=b/"],
+                              cwd=root, env=env, check=True, capture_output=True).stdout.decode("utf-8")
+    return header + diff
+
+
+def attribute_hunks(patch_text: str, ws: Workspace, origins: dict) -> tuple[list, dict]:
+    """Attribute every +/- line of the patch to one origin.
+
+    Returns:
+        (files, stats): per-file hunk records, and counts of exact/neighbour attributions.
+
+    Lines that git's diff aligns differently from the step-wise tracking (a moved blank
+    line, say) take the origin of the nearest attributed line of the same hunk; they are
+    counted as ``by_neighbour``.
+    """
+    stats = Counter()
+    files = []
+    for pfile in PatchSet(split_lines(patch_text)):
+        state = ws.files[pfile.path]
+        hunks = []
+        for n, hunk in enumerate(pfile, start=1):
+            labels = []
+            for line in hunk:
+                if line.is_added:
+                    tag = state.tags[line.target_line_no - 1]
+                    labels.append(["+", tag[1] if tag[0] == "origin" else None])
+                elif line.is_removed:
+                    labels.append(["-", state.removed_by.get(line.source_line_no - 1)])
+            for i, label in enumerate(labels):
+                if label[1] is not None:
+                    stats["exact"] += 1
+                    continue
+                near = sorted((abs(j - i), j) for j, other in enumerate(labels) if other[1] is not None and j != i)
+                if not near:
+                    raise ApplyError(f"{pfile.path}: hunk {n} has a line with no origin; attribution failed.",
+                                     hint="Report this: a recipe step changed a line without being recorded.")
+                label[1] = labels[near[0][1]][1]
+                stats["by_neighbour"] += 1
+            per = {}
+            for sign, oid in labels:
+                rec = per.setdefault(oid, {"origin": oid, "kind": origins[oid]["kind"], "added": 0, "removed": 0})
+                rec["added" if sign == "+" else "removed"] += 1
+            hunks.append({
+                "id": f"{pfile.path}#{n}",
+                "header": str(hunk).splitlines()[0],
+                "added": hunk.added, "removed": hunk.removed,
+                "origins": sorted(per.values(), key=lambda r: r["origin"]),
+            })
+        record = {
+            "path": pfile.path,
+            "status": "added" if pfile.is_added_file else "deleted" if pfile.is_removed_file else "modified",
+            "added": pfile.added, "removed": pfile.removed,
+            "hunks": hunks,
+        }
+        if state.mode_origin and state.exists:
+            record["mode"] = {"old": state.base_mode, "new": state.mode, "origin": state.mode_origin}
+        files.append(record)
+    return files, dict(stats)
