@@ -7,6 +7,7 @@ Exit codes: 0 ok; 1 unexpected; 2 usage; 9 a build step failed; 10 no Docker Eng
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -15,13 +16,14 @@ from typing import Optional
 
 import click
 
+from backport import locks
 from backport.errors import PipelineError
 from backport.tree_digest import sha256_file
 
 from .build import (IMAGE_REPO, BuildResult, build_args, build_image, host_ca_bundle, image_tags, one_line_change,
                     stage_context)
 from .engine import (DEFAULT_MIN_FREE_GIB, MIN_FREE_GIB, DiskPeak, check_disk, docker_client, docker_storage,
-                     ensure_base_image, image_exists, pull_image)
+                     engine_lock, ensure_base_image, image_exists, pull_image)
 from .errors import PULL_FAILED_HINT, BaseImageMissing
 from .gate import require_gate_ok, run_gate, write_json
 from .inputs import (CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, REPO_ROOT, Inputs, flavour_lock, preflight,
@@ -135,13 +137,32 @@ def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_c
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def cli():
+@click.option("--no-wait", is_flag=True,
+              help="Exit 15 at once when another image command holds the Docker Engine, instead of waiting.")
+@click.pass_context
+def cli(ctx, no_wait):
     """Build and gate the GDN training image through docker-py."""
+    ctx.obj = {"wait": not no_wait}
+
+
+def _one_per_engine(fn):
+    """Run the command holding the Docker Engine's lock (:func:`engine_lock`): one image command
+    at a time per engine, so a prune never deletes an image a build has not tagged yet."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        ctx = click.get_current_context()
+        wait = (ctx.find_root().obj or {}).get("wait", True)
+        with locks.policy(wait=wait), engine_lock(say=lambda m: say(m, "yellow")):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 @cli.command()
 @_build_options
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Write the build record here.")
+@_one_per_engine
 def build(json_out, **kw):
     """Build the image from the pinned tree and the verified patch (`make image`)."""
     result = do_build(**kw)
@@ -156,6 +177,7 @@ def build(json_out, **kw):
 @click.option("--gpus", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="GPU part of the suite: auto runs it when the host has GPUs.")
 @click.option("--report", type=click.Path(), default=str(RESULTS / "gate-report.json"), show_default=True)
+@_one_per_engine
 def gate(image_ref, gpus, report, **kw):
     """Build the image, run its regression suite inside it, write a JSON report (`make gate`).
 
@@ -184,6 +206,7 @@ def gate(image_ref, gpus, report, **kw):
 
 @cli.command()
 @click.option("--tag", default=CPU_BASE_IMAGE, show_default=True)
+@_one_per_engine
 def base(tag):
     """Make the local cpu base image (debootstrap bookworm minbase + python3, venv, patch)."""
     client = docker_client()
@@ -235,6 +258,7 @@ def check_lock(flavour, lock_path):
 @cli.command()
 @_build_options
 @click.option("--out", type=click.Path(), default=str(RESULTS / "image-timings.json"), show_default=True)
+@_one_per_engine
 def measure(out, **kw):
     """Time a cold build, then a rebuild after a one-line patch change; write the figures.
 
@@ -297,6 +321,7 @@ def measure(out, **kw):
 
 @cli.command()
 @click.option("--all", "everything", is_flag=True, help="Also remove the cached deps stages.")
+@_one_per_engine
 def prune(everything):
     """Remove dangling images and stopped build containers (frees disk under Docker's root).
 

@@ -1,8 +1,11 @@
-"""The Docker Engine: the docker-py client, Docker's root and storage driver, free disk under it
-(floors by driver, DiskPeak), and the base image (present, pulled, or made with debootstrap)."""
+"""The Docker Engine: the docker-py client, one image command at a time per engine, Docker's root
+and storage driver, free disk under it (floors by driver, DiskPeak), and the base image (present,
+pulled, or made with debootstrap)."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -10,7 +13,10 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
+
+from backport import locks
+from backport.sources import default_cache_dir
 
 from .errors import BaseImageMissing, BuildStepFailed, DiskSpaceError, DockerUnavailable, ImageError
 from .inputs import CPU_BASE_IMAGE, REPO_ROOT
@@ -31,6 +37,31 @@ def _quiet(_line: str) -> None:
 
 
 # --------------------------------------------------------------------------- docker
+
+def engine_lock_path(docker_host: Optional[str] = None) -> Path:
+    """The lock file of one Docker Engine: ``<cache>/locks/docker-<sha256(host)[:12]>.lock`` in the
+    tool's cache (``$GDN_BACKPORT_CACHE`` or ``~/.cache/gdn-backport``), so that every clone of the
+    repository run by the user shares it. ``docker_host``: ``$DOCKER_HOST`` or the default socket."""
+    host = docker_host or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    key = hashlib.sha256(host.encode("utf-8")).hexdigest()[:12]
+    return default_cache_dir() / "locks" / f"docker-{key}.lock"
+
+
+@contextlib.contextmanager
+def engine_lock(say: Line = _quiet) -> Iterator[None]:
+    """Hold the engine's lock for one image command (build, gate, measure, prune, base).
+
+    A prune removes dangling images, and an image the legacy builder has made but not yet
+    tagged is dangling: a prune during a build deleted the new image ("failed to get digest").
+    So image commands run one at a time per engine; a second one waits, saying who holds it.
+
+    Raises:
+        BusyError: the lock is held and ``tools/image --no-wait`` was given (exit 15).
+    """
+    host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    with locks.hold(engine_lock_path(host), f"the Docker Engine at {host}", say=say):
+        yield
+
 
 def docker_client(timeout: int = 600):
     """A docker-py client that answers ``ping``; raises :class:`DockerUnavailable`."""

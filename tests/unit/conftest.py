@@ -276,3 +276,10 @@ def make_options(tmp_path, fake_repos):
         return Options(recipe=recipe_path, **defaults)
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _tool_cache_in_tmp(monkeypatch, tmp_path_factory):
+    """Locks and caches the tool keeps in ``$GDN_BACKPORT_CACHE`` (e.g. the Docker Engine lock of
+    ``tools/image``) go to a temporary folder, never the user's ``~/.cache``."""
+    monkeypatch.setenv("GDN_BACKPORT_CACHE", str(tmp_path_factory.mktemp("tool-cache")))

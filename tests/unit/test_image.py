@@ -666,3 +666,68 @@ def test_pull_failure_with_pull_given_does_not_say_add_pull(monkeypatch, capsys,
     assert info.value.code == 14
     assert "cannot pull nvcr.io/nvidia/pytorch:25.12-py3" in err
     assert "add --pull" not in err and "The pull itself failed" in err and "docker load" in err
+
+
+# ------------------------------------------------------------------ one image command per engine
+
+class _FakePruneClient:
+    def __init__(self):
+        self.calls = []
+
+    @property
+    def containers(self):
+        return self
+
+    @property
+    def images(self):
+        return self
+
+    def prune(self, filters=None):
+        self.calls.append(filters)
+        return {"SpaceReclaimed": 0}
+
+
+def test_an_image_command_waits_for_the_engine_lock_and_no_wait_refuses_with_15(monkeypatch, capsys):
+    """A prune while a build holds the engine must not run (it would delete the untagged new
+    image): with --no-wait it exits 15 naming the engine, before talking to Docker."""
+    import filelock
+
+    from image_pipeline.engine import engine_lock_path
+
+    monkeypatch.setenv("DOCKER_HOST", "unix:///tmp/gdn-test-docker.sock")
+    monkeypatch.setattr(image_cli, "docker_client", lambda *a, **k: pytest.fail("Docker contacted under a busy lock"))
+    path = engine_lock_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    held = filelock.FileLock(str(path), thread_local=False)
+    held.acquire()
+    try:
+        with pytest.raises(SystemExit) as exc:
+            image_cli.main(["--no-wait", "prune"])
+    finally:
+        held.release()
+    assert exc.value.code == 15
+    err = capsys.readouterr().err
+    assert "the Docker Engine at unix:///tmp/gdn-test-docker.sock is in use by another run" in err
+    assert "hint:" in err
+
+
+def test_an_image_command_releases_the_engine_lock(monkeypatch):
+    import filelock
+
+    from image_pipeline.engine import engine_lock_path
+
+    fake = _FakePruneClient()
+    monkeypatch.setattr(image_cli, "docker_client", lambda *a, **k: fake)
+    image_cli.cli.main(args=["prune"], standalone_mode=False)
+    assert len(fake.calls) == 2  # containers, then dangling images
+    lock = filelock.FileLock(str(engine_lock_path()), thread_local=False)
+    lock.acquire(blocking=False)  # free again
+    lock.release()
+
+
+def test_engine_lock_is_per_engine_and_in_the_tool_cache(monkeypatch, tmp_path):
+    from image_pipeline.engine import engine_lock_path
+
+    monkeypatch.setenv("GDN_BACKPORT_CACHE", str(tmp_path))
+    a, b = engine_lock_path("unix:///var/run/docker.sock"), engine_lock_path("tcp://10.0.0.2:2376")
+    assert a != b and a.parent == b.parent == tmp_path / "locks"
