@@ -259,9 +259,12 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         else:
             same_day = old_lock is not None and old_lock.get("date") == output.lock_data(build)["date"]
             if same_day and not release:
-                click.echo(f"lock: {output.LOCK} changed: {'; '.join(changes)}. The recipe, the pins or the "
-                           "tool's code changed since the lock was committed (same date); commit the lock to "
-                           "publish these bytes.")
+                cause = (f"The carried patch ({carry.name}), the recipe, the pins or the tool's code"
+                         if carry else "The recipe, the pins or the tool's code")
+                click.echo(f"lock: {output.LOCK} changed: {'; '.join(changes)}. {cause} changed since the lock "
+                           "was committed (same date); commit the lock to publish these bytes, or "
+                           f"`git checkout {output.LOCK}` and run again to undo"
+                           f"{' (and pass the same --carry to --check)' if carry else ''}.")
             else:
                 click.echo(f"release: {output.LOCK} changed: {'; '.join(changes)}. Commit it to publish this "
                            f"release, or `git checkout {output.LOCK}` and run without --date/--release to undo.")

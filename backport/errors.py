@@ -95,7 +95,8 @@ class CheckMismatch(PipelineError):
     """``--check`` found files on disk that differ from a fresh run."""
 
     exit_code = 8
-    default_hint = "Regenerate with `tools/backport` (without --check) and commit manifests/lock.json."
+    default_hint = ("Regenerate with `tools/backport` (without --check) and commit manifests/lock.json; "
+                    "if the outputs on disk were made with --carry, pass the same --carry to --check.")
 
 
 class BusyError(PipelineError):
