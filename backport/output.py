@@ -411,8 +411,24 @@ def _date_on_disk(path: Path) -> "str | None":
         return None
 
 
+def _carry_on_disk(path: Path) -> "dict | None":
+    try:
+        carry = json.loads(path.read_text(encoding="utf-8")).get("carry")
+        return carry if isinstance(carry, dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _mismatch_hint(build, root: Path) -> "str | None":
-    """A hint naming a date mismatch, which is the usual cause; None keeps the class's."""
+    """A hint naming the usual causes, a carry or date mismatch; None keeps the class's."""
+    disk_carry = _carry_on_disk(root / "patches/latest/manifest.json")
+    run_carry = build.manifest.get("carry")
+    if disk_carry and (not isinstance(run_carry, dict) or run_carry.get("sha256") != disk_carry.get("sha256")):
+        return (f"patches/latest was made with --carry {disk_carry.get('name')} (sha256 "
+                f"{str(disk_carry.get('sha256'))[:12]}), and this check "
+                + ("ran without --carry" if not run_carry else f"ran with --carry {run_carry.get('name')}")
+                + ": pass the same --carry to --check, or run `tools/backport` without it to go back to the "
+                  "carry-free outputs.")
     day = build.manifest["date"]
     lock_day = _date_on_disk(root / LOCK)
     latest_day = _date_on_disk(root / "patches/latest/manifest.json")

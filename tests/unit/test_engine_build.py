@@ -270,6 +270,19 @@ def test_check_of_a_fresh_clone_compares_the_lock_alone(built, tmp_path):
         output.check(built[0], tmp_path)
 
 
+def test_check_mismatch_hint_names_the_carry_the_outputs_were_made_with(built, tmp_path):
+    """Outputs made with --carry, checked without it: the hint says to pass the same --carry."""
+    b = built[0]
+    output.write(b, tmp_path, trees=False)
+    latest = json.loads((tmp_path / "patches/latest/manifest.json").read_text())
+    latest["carry"] = {"name": "ours.patch", "sha256": "ab" * 32}
+    (tmp_path / "patches/latest/manifest.json").write_bytes(output.canonical_json(latest))
+    with pytest.raises(output.CheckMismatch) as exc:
+        output.check(b, tmp_path)
+    assert "made with --carry ours.patch (sha256 abababababab)" in exc.value.hint
+    assert "ran without --carry" in exc.value.hint and "pass the same --carry to --check" in exc.value.hint
+
+
 def test_check_mismatch_hint_names_the_date(built, tmp_path):
     b = built[0]  # dated as its manifest says
     output.write(b, tmp_path, trees=False)
