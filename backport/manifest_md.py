@@ -56,8 +56,15 @@ def render_markdown(m: dict) -> str:
         if o.get("status") == "superseded":
             why += f" Superseded by `{o.get('superseded_by', '?')}`: {o.get('superseded_why', '')}"
         offset = f"{o['offset']:+d}" if o.get("offset") else ("0" if "offset" in o else "")
-        rows.append([f"`{oid}`", o["kind"], o.get("status", "applied"), offset, why])
-    lines += _table(["origin", "kind", "status", "offset", "why"], rows)
+        made_by = next((f"{key} `{o[key]}`" for key in ("transform", "template") if o.get(key)), "")
+        if not made_by and o.get("step"):
+            made_by = f"step `{o['step']}`"
+        if o.get("symbols"):
+            made_by = (made_by + "; " if made_by else "") + f"`{o.get('commit', '')[:9]}`: " + ", ".join(
+                f"`{sym}`" for sym in o["symbols"])
+        adapts = ", ".join(f"`{h}`" for h in o.get("adapts") or [])
+        rows.append([f"`{oid}`", o["kind"], o.get("status", "applied"), offset, made_by, adapts, why])
+    lines += _table(["origin", "kind", "status", "offset", "made by", "adapts (upstream hunks)", "why"], rows)
     lines += ["", f"## Upstream hunks of {p['upstream'][:9]} ({len(m['upstream_hunks'])})", "",
               ", ".join(f"{k}: {v}" for k, v in m["upstream_summary"].items()), ""]
     rows = [[f"`{u['id']}`", f"+{u['added']} -{u['removed']}", u["disposition"], f"`{u['by']}`", u.get("reason", "")]
