@@ -139,7 +139,9 @@ class Source:
 def is_shallow(path: "str | Path") -> bool:
     """True when the git repository at ``path`` (bare or not) has shallow history."""
     try:
-        out = git.Repo(path).git.rev_parse("--is-shallow-repository")
+        repo = git.Repo(path)
+        isolate_gitpython(repo)  # the caller's git config must not change the answer
+        out = repo.git.rev_parse("--is-shallow-repository")
     except (git.GitCommandError, git.InvalidGitRepositoryError, git.NoSuchPathError):
         return (Path(path) / "shallow").exists() or (Path(path) / ".git" / "shallow").exists()
     return out.strip() == "true"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import textwrap
 from pathlib import Path
+from typing import Callable
 
 import libcst as cst
 import libcst.matchers as m
@@ -532,6 +533,23 @@ def dynamo_state(text: str) -> tuple[str, str]:
     return "absent", ""
 
 
+def _preserved_fix_state(text: str, path: str, state_of, undecidable: "Callable[[str], str]", hint: str) -> str:
+    """``"present"`` or ``"absent"``: whether a preserved fix's effect is already in ``text``, judged
+    by ``state_of`` (:func:`dynamo_state`, :func:`tuple_index_state`).
+
+    Raises:
+        ApplyError: the anchor is missing (prefixed with ``path``), or the form is undecidable
+            (message ``undecidable(form)``, ``hint``): the user's code is never replaced.
+    """
+    try:
+        state, form = state_of(text)
+    except ApplyError as exc:
+        raise ApplyError(f"{path}: {exc.message}") from exc
+    if state == "undecidable":
+        raise ApplyError(undecidable(form), hint=hint)
+    return state
+
+
 @register("fix_prepare_qkv_no_dynamo")
 def fix_prepare_qkv_no_dynamo(text: str, path: str = "gated_delta_net.py") -> Result:
     """Preserved downstream fix: keep Dynamo/torch.compile away from
@@ -545,19 +563,15 @@ def fix_prepare_qkv_no_dynamo(text: str, path: str = "gated_delta_net.py") -> Re
         ApplyError: anchors missing, or undecidable (naming the construct).
     """
     module = parse(text, path)
-    try:
-        state, form = dynamo_state(text)
-    except ApplyError as exc:
-        raise ApplyError(f"{path}: {exc.message}") from exc
+    state = _preserved_fix_state(
+        text, path, dynamo_state,
+        lambda form: (f"{path}: cannot decide whether Dynamo is already off for GatedDeltaNet.{_PREPARE}: {form} "
+                      "is not a form the tool recognises, and it will not replace your code."),
+        hint="Use a recognised form (decorator @torch.compiler.disable on the method, or "
+             "`with torch.compiler.set_stance(\"force_eager\"):` around every call), or drop the construct "
+             "from the carried patch.")
     if state == "present":
         return Result(text, "already-present")
-    if state == "undecidable":
-        raise ApplyError(
-            f"{path}: cannot decide whether Dynamo is already off for GatedDeltaNet.{_PREPARE}: {form} is not a "
-            "form the tool recognises, and it will not replace your code.",
-            hint="Use a recognised form (decorator @torch.compiler.disable on the method, or "
-                 "`with torch.compiler.set_stance(\"force_eager\"):` around every call), or drop the construct "
-                 "from the carried patch.")
     cls = find_class(module, "GatedDeltaNet", path)
     fn = find_function(cls.body.body, _PREPARE, f"{path}: GatedDeltaNet")
     kept = [d for d in fn.decorators if code_of(d.decorator, module) != "jit_fuser"]
@@ -676,18 +690,14 @@ def fix_local_cp_tuple_index(text: str, path: str = "gated_delta_net.py") -> Res
         ApplyError: anchors missing, or undecidable (naming the construct).
     """
     module = parse(text, path)
-    try:
-        state, form = tuple_index_state(text)
-    except ApplyError as exc:
-        raise ApplyError(f"{path}: {exc.message}") from exc
+    state = _preserved_fix_state(
+        text, path, tuple_index_state,
+        lambda form: (f"{path}: cannot decide whether get_parameter_local_cp indexes param with a tuple: {form}; "
+                      "the tool will not replace your code."),
+        hint="Index with param[tuple(slices)] (or a tuple bound just before), or drop that change from the "
+             "carried patch.")
     if state == "present":
         return Result(text, "already-present")
-    if state == "undecidable":
-        raise ApplyError(
-            f"{path}: cannot decide whether get_parameter_local_cp indexes param with a tuple: {form}; the tool "
-            "will not replace your code.",
-            hint="Index with param[tuple(slices)] (or a tuple bound just before), or drop that change from the "
-                 "carried patch.")
     fn = find_function(module.body, "get_parameter_local_cp", path)
     tr = _TupleIndex()
     new_fn = fn.visit(tr)
