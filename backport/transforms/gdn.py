@@ -604,6 +604,19 @@ def _names_bound_anywhere_at_module_level(text: str) -> tuple[dict, bool]:
     return out, star
 
 
+def _holds_in_order(body, module, template_body, template) -> bool:
+    """Whether ``body``'s statements hold every statement of ``template_body`` (comments and
+    layout ignored), in order: the template's form exactly, or that form with statements a
+    carried patch added between them (kept as they are, not merged again)."""
+    mine = [_normalised(module.code_for_node(st)) for st in body.body]
+    theirs = [_normalised(template.code_for_node(st)) for st in template_body.body]
+    at = 0
+    for stmt in mine:
+        if at < len(theirs) and stmt == theirs[at]:
+            at += 1
+    return at == len(theirs)
+
+
 def _free_names(node: ast.AST, bound_inside: set) -> set:
     """Names ``node`` reads that neither it binds (parameters, assignments) nor builtins give."""
     import builtins
@@ -623,7 +636,8 @@ def gdn_prepare_qkv_fused_copies(text: str, path: str = "gated_delta_net.py") ->
 
     The two functions go right after ``class GatedDeltaNet``. When the method body and both
     functions already have the template's form, the text is returned unchanged
-    (``already-present``).
+    (``already-present``); so is a body holding every statement of the template's in order
+    with statements of a carried patch between them (a carry rebased onto this step).
 
     Raises:
         ApplyError: anchors missing, or the method lacks the ``cp_size_headwise`` parameter
@@ -664,7 +678,7 @@ def gdn_prepare_qkv_fused_copies(text: str, path: str = "gated_delta_net.py") ->
                 scope="", name=helper.name.value, lineno=pos,
                 hint="Drop that definition from the carried patch (the recipe adds it), or give it the "
                      "recipe's exact form.")
-    same_body = _normalised(code_of(fn.body, module)) == _normalised(template.code_for_node(new_body))
+    same_body = _holds_in_order(fn.body, module, new_body, template)
     if same_body and not missing:
         return Result(text, "already-present")
     helper_names = {h.name.value for h in helpers}

@@ -272,6 +272,28 @@ def test_fused_copies_accept_helpers_the_carry_already_has_in_the_recipes_form_b
     assert result.status == "already-present" and result.text == moved
 
 
+def test_fused_copies_keep_a_carried_body_rebased_onto_the_template():
+    # hostile19: a carry holding the step's body plus one line of its own (what the conflict hint
+    # asks for: "rebase the carried hunk onto the backported code") was still a conflict (exit 6)
+    once = REGISTRY["gdn_prepare_qkv_fused_copies"](_with_cp_size(), "gated_delta_net.py").text
+    rebased = once.replace("        return _expand_query_key_heads(",
+                           "        query_key = query_key * self.qk_scale  # CARRY19\n"
+                           "        return _expand_query_key_heads(", 1)
+    assert rebased != once
+    result = REGISTRY["gdn_prepare_qkv_fused_copies"](rebased, "gated_delta_net.py")
+    assert result.status == "already-present" and result.text == rebased
+
+
+def test_fused_copies_replace_a_body_whose_template_statement_the_carry_changed():
+    # a changed statement of the template's is not "the template plus additions": the step
+    # rewrites the body (the engine's three-way merge then reports the conflict)
+    once = REGISTRY["gdn_prepare_qkv_fused_copies"](_with_cp_size(), "gated_delta_net.py").text
+    changed = once.replace("query_key = l2norm(query_key)", "query_key = l2norm(query_key, eps=1e-6)", 1)
+    assert changed != once
+    result = REGISTRY["gdn_prepare_qkv_fused_copies"](changed, "gated_delta_net.py")
+    assert result.status == "applied" and result.text == once
+
+
 def test_transforms_are_deterministic():
     for name in sorted(REGISTRY):
         src = CONFIG if "config" in name else _with_cp_size() if name == "gdn_prepare_qkv_fused_copies" else GDN
