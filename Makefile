@@ -65,7 +65,7 @@ gpu-suite:  ## On a 4-GPU host: the GPU part of the regression suite -> results/
 	tools/gpu-suite
 
 # ---- image (Dockerfile, docker-py) --------------------------------------------
-# Owned by the image pipeline (Dockerfile, docker/, image/, tools/image).
+# Owned by the image pipeline (Dockerfile, docker/, image_pipeline/, tools/image).
 # Both targets need a Docker Engine; on a machine without one: `sudo tools/dockerd-up`
 # (or `make dockerd`). `make image` builds the users' cuda flavour by default, which
 # needs the NGC base image present locally (no registry is reachable here); the
