@@ -52,6 +52,17 @@ import gdn_layer  # noqa: E402  (the benchmark's builders and timers)
 
 NAME = "_prepare_qkv_for_gated_delta_rule"
 POLICIES = ("tree", "eager", "jit_fuser", "dynamic", "l2norm_eager", "l2norm_eager_dynamic")
+PARTS = ("scenarios", "helper", "layer")
+
+
+def _names(p, flag: str, value: str, known) -> list:
+    """``value`` split on commas; a usage error (exit 2) naming the first unknown name."""
+    names = [v for v in value.split(",") if v]
+    bad = [v for v in names if v not in known]
+    if bad or not names:
+        what = f"unknown name {bad[0]!r}" if bad else "empty"
+        p.error(f"{flag}: {what}; pick from {', '.join(known)} (comma-separated)")
+    return names
 
 
 def parse_args(argv=None):
@@ -72,7 +83,16 @@ def parse_args(argv=None):
     p.add_argument("--conv-kernel", type=int, default=4)
     p.add_argument("--budget-s", type=float, default=1e9, help="skip parts that would start after this")
     p.add_argument("--cpu-smoke", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _names(p, "--parts", args.parts, PARTS)
+    _names(p, "--policies", args.policies, POLICIES)
+    seqs = [s for s in args.seq.split(",") if s]
+    if not seqs or not all(s.isdigit() and int(s) > 0 for s in seqs):
+        p.error(f"--seq {args.seq!r}: give positive token counts, comma-separated (e.g. 65536,32768)")
+    for flag in ("rounds", "repeats", "hidden", "key_heads", "value_heads", "head_dim", "conv_kernel"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    return args
 
 
 class DynamoLog(logging.Handler):
@@ -486,6 +506,11 @@ def main(argv=None):
         dump()
     ctx_exit.close()
     dist.destroy_process_group()
+    failed = sorted(k for k, v in result.items() if isinstance(v, dict) and "error" in v)
+    if failed:
+        sys.stderr.write(f"error: part(s) {', '.join(failed)} failed (traceback above; {args.out} records them)\n"
+                         "hint: fix the cause named in the traceback and run those parts again with --parts.\n")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -580,6 +580,65 @@ def fix_prepare_qkv_no_dynamo(text: str, path: str = "gated_delta_net.py") -> Re
 
 
 PREPARE_QKV_TEMPLATE = "gated_delta_net_prepare_qkv.py"
+_COMPOUND = (ast.If, ast.Try, ast.With, ast.For, ast.While) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())
+
+
+def _names_bound_anywhere_at_module_level(text: str) -> tuple[dict, bool]:
+    """Module-level name -> (1-based line of its first binding, whether that binding sits inside
+    an ``if``/``try``/``with``/loop block), over top-level statements and those blocks (not
+    inside defs or classes); and whether a ``from ... import *`` makes the answer unknown."""
+    out: dict = {}
+    star = False
+
+    def walk(body, nested):
+        nonlocal star
+        for stmt in body:
+            names = []
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [stmt.name]
+            elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                star = star or any(a.name == "*" for a in stmt.names)
+                names = [(a.asname or a.name).split(".")[0] for a in stmt.names if a.name != "*"]
+            elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.With)):
+                targets = (stmt.targets if isinstance(stmt, ast.Assign) else
+                           [stmt.target] if not isinstance(stmt, ast.With) else
+                           [i.optional_vars for i in stmt.items if i.optional_vars is not None])
+                names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            for name in names:
+                out.setdefault(name, (stmt.lineno, nested))
+            if isinstance(stmt, _COMPOUND):
+                for field in ("body", "orelse", "finalbody"):
+                    walk(getattr(stmt, field, []) or [], True)
+                for handler in getattr(stmt, "handlers", []) or []:
+                    if handler.name:
+                        out.setdefault(handler.name, (handler.lineno, True))
+                    walk(handler.body, True)
+
+    walk(ast.parse(text).body, False)
+    return out, star
+
+
+def _holds_in_order(body, module, template_body, template) -> bool:
+    """Whether ``body``'s statements hold every statement of ``template_body`` (comments and
+    layout ignored), in order: the template's form exactly, or that form with statements a
+    carried patch added between them (kept as they are, not merged again)."""
+    mine = [_normalised(module.code_for_node(st)) for st in body.body]
+    theirs = [_normalised(template.code_for_node(st)) for st in template_body.body]
+    at = 0
+    for stmt in mine:
+        if at < len(theirs) and stmt == theirs[at]:
+            at += 1
+    return at == len(theirs)
+
+
+def _free_names(node: ast.AST, bound_inside: set) -> set:
+    """Names ``node`` reads that neither it binds (parameters, assignments) nor builtins give."""
+    import builtins
+
+    reads = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    stores = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    params = {a.arg for a in ast.walk(node) if isinstance(a, ast.arg)}
+    return reads - stores - params - bound_inside - set(dir(builtins))
 
 
 @register("gdn_prepare_qkv_fused_copies")
@@ -591,7 +650,8 @@ def gdn_prepare_qkv_fused_copies(text: str, path: str = "gated_delta_net.py") ->
 
     The two functions go right after ``class GatedDeltaNet``. When the method body and both
     functions already have the template's form, the text is returned unchanged
-    (``already-present``).
+    (``already-present``); so is a body holding every statement of the template's in order
+    with statements of a carried patch between them (a carry rebased onto this step).
 
     Raises:
         ApplyError: anchors missing, or the method lacks the ``cp_size_headwise`` parameter
@@ -609,9 +669,19 @@ def gdn_prepare_qkv_fused_copies(text: str, path: str = "gated_delta_net.py") ->
                              PREPARE_QKV_TEMPLATE).body
     helpers = [st for st in template.body if isinstance(st, cst.FunctionDef)]
     bound = _module_bindings(text)
+    anywhere, star = _names_bound_anywhere_at_module_level(text)
     missing = []
     for helper in helpers:
         node = bound.get(helper.name.value)
+        if node is None and helper.name.value in anywhere:
+            # bound inside an if/try/with block: a def added after the class would shadow it
+            pos = anywhere[helper.name.value][0]
+            raise BindingExists(
+                f"{path}: the module already binds {helper.name.value} inside a block (line {pos}); the "
+                "transform would define it again after GatedDeltaNet and shadow that binding.",
+                scope="", name=helper.name.value, lineno=pos,
+                hint="Drop that binding from the carried patch (the recipe adds the function), or define it "
+                     "at module level in the recipe's exact form.")
         if node is None:
             missing.append(helper)
         elif _normalised(ast.unparse(node)) != _normalised(template.code_for_node(helper)):
@@ -622,9 +692,25 @@ def gdn_prepare_qkv_fused_copies(text: str, path: str = "gated_delta_net.py") ->
                 scope="", name=helper.name.value, lineno=pos,
                 hint="Drop that definition from the carried patch (the recipe adds it), or give it the "
                      "recipe's exact form.")
-    same_body = _normalised(code_of(fn.body, module)) == _normalised(template.code_for_node(new_body))
+    same_body = _holds_in_order(fn.body, module, new_body, template)
     if same_body and not missing:
         return Result(text, "already-present")
+    helper_names = {h.name.value for h in helpers}
+    needed = set()
+    for helper in missing:
+        needed |= _free_names(ast.parse(template.code_for_node(helper)), helper_names)
+    if not same_body:
+        method = find_function(find_class(template, "GatedDeltaNet", PREPARE_QKV_TEMPLATE).body.body, _PREPARE,
+                               PREPARE_QKV_TEMPLATE)
+        needed |= _free_names(ast.parse(textwrap.dedent(template.code_for_node(method))), helper_names | {"self"})
+    unbound = sorted(needed - set(anywhere))
+    if unbound and not star:
+        raise ApplyError(
+            f"{path}: the code transform gdn_prepare_qkv_fused_copies writes uses {', '.join(unbound)}, which the "
+            "module does not bind (did the carried patch remove or rename an import?); the module would fail "
+            "to import.",
+            hint=f"Keep the import of {', '.join(unbound)} in the carried patch (megatron/core/ssm/"
+                 "gated_delta_net.py at the base imports each of them).")
     if not same_body:
         module = replace_node(module, fn, fn.with_changes(body=new_body), path)
     if missing:

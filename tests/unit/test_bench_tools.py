@@ -215,3 +215,25 @@ def test_host_sync_count_counts_sync_warnings_and_restores_the_mode():
     with pytest.raises(RuntimeError):
         bench.count_host_syncs(fake, failing)
     assert modes[-1] == "default"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policies", "tree,nosuch"], "--policies: unknown name 'nosuch'; pick from tree, eager"),
+    (["--policies", ","], "--policies: empty"),
+    (["--parts", "layer,nosuch"], "--parts: unknown name 'nosuch'; pick from scenarios, helper, layer"),
+    (["--seq", "abc"], "--seq 'abc': give positive token counts"),
+    (["--seq", "0"], "--seq '0': give positive token counts"),
+    (["--seq", "-5"], "--seq '-5'"),
+    (["--rounds", "0"], "--rounds 0: must be at least 1"),
+])
+def test_prepare_qkv_bench_refuses_bad_arguments_before_any_work(argv, message, capsys):
+    # hostile19: these ran torch/dist setup first, then died in a traceback deep inside a part
+    # (unknown policy, unknown part) or int() (bad --seq), and still exited 0
+    with pytest.raises(SystemExit) as exc:
+        _load("prepare_qkv").parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_prepare_qkv_bench_accepts_its_documented_arguments():
+    args = _load("prepare_qkv").parse_args(["--parts", "layer", "--policies", "tree,eager", "--seq", "65536"])
+    assert (args.parts, args.policies, args.seq) == ("layer", "tree,eager", "65536")

@@ -292,3 +292,27 @@ def test_merge_does_not_repeat_a_carried_line_the_step_kept(tmp_path):
     step = types.SimpleNamespace(id="adapt-check", kind="adaptation", transform="add_check")
     out = merge_carried_functions(base, carried, after, carry.hunks, step, "m/l.py", set())
     assert out == after and out.count("# CARRY40") == 1
+
+
+FUSED_STEPS = [
+    GDN_STEPS[2],
+    {"id": "fix-no-dynamo", "kind": "fix", "path": GDN, "transform": "fix_prepare_qkv_no_dynamo",
+     "why": "preserved downstream fix: no Dynamo"},
+    {"id": "adapt-fused-copies", "kind": "adaptation", "path": GDN, "transform": "gdn_prepare_qkv_fused_copies",
+     "why": "two jit_fuser functions around an eager l2norm"},
+]
+
+
+def test_fused_copies_over_a_carried_helper_import_inside_try_names_the_carried_hunk(tmp_path, fake_repos,
+                                                                                     make_options):
+    # hostile19: a carried `try: from ... import _split_query_key_value` was shadowed by the def
+    # the step adds after the class (exit 0); now exit 6 naming the carried hunk and its line
+    block = ("from torch import Tensor\n\ntry:\n    from fused_ops import _split_query_key_value  # CARRY19\n"
+             "except ImportError:\n    _split_query_key_value = None\n")
+    user = gdn_text().replace("import torch\n", "import torch\n" + block, 1)
+    carry = _carry(tmp_path, {GDN: (gdn_text(), user)})
+    with pytest.raises(ApplyError) as exc:
+        build(make_options(_recipe(fake_repos, tmp_path, *FUSED_STEPS), carry=carry))
+    msg = exc.value.message
+    assert exc.value.exit_code == 6 and f"carry:{GDN}#1" in msg and "recipe step adapt-fused-copies" in msg
+    assert "_split_query_key_value" in msg and "# CARRY19" in msg

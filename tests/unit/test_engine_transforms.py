@@ -169,8 +169,18 @@ def test_a_fix_already_carried_is_not_duplicated(name, carried_old, carried_new,
     assert result.text.count(marker) == 1
 
 
-def _with_cp_size(text=GDN):
-    """The stand-in after the steps that run before gdn_prepare_qkv_fused_copies."""
+# the names the real module binds that gdn_prepare_qkv_fused_copies' code reads (besides torch, jit_fuser)
+GDN_FLA_IMPORTS = (
+    "from torch import Tensor\n\n"
+    "try:\n    from fla.modules.l2norm import l2norm\nexcept ImportError:\n    l2norm = None\n"
+)
+
+
+def _with_cp_size(text=None):
+    """The stand-in (with the real module's Tensor and l2norm imports) after the steps that run
+    before gdn_prepare_qkv_fused_copies."""
+    if text is None:
+        text = GDN.replace("import torch\n", "import torch\n" + GDN_FLA_IMPORTS, 1)
     text = REGISTRY["gdn_prepare_qkv_headwise_cp_size"](text, "gated_delta_net.py").text
     return REGISTRY["fix_prepare_qkv_no_dynamo"](text, "gated_delta_net.py").text
 
@@ -217,6 +227,71 @@ def test_fused_copies_refuse_a_carried_function_of_the_same_name_in_another_form
     with pytest.raises(ApplyError, match="already binds _expand_query_key_heads") as exc:
         REGISTRY["gdn_prepare_qkv_fused_copies"](carried, "gated_delta_net.py")
     assert "recipe adds it" in exc.value.hint
+
+
+@pytest.mark.parametrize("block", [
+    "try:\n    from fused_ops import _split_query_key_value\nexcept ImportError:\n    _split_query_key_value = None\n",
+    "if torch.cuda.is_available():\n    _split_query_key_value = torch.split\n",
+])
+def test_fused_copies_refuse_a_helper_name_bound_inside_a_block(block):
+    # hostile19: a carried try/except import of the name passed (exit 0) and the def added after
+    # the class silently shadowed the user's binding
+    before = _with_cp_size()
+    carried = before.replace("\n\nclass GatedDeltaNet", "\n\n" + block + "\n\nclass GatedDeltaNet", 1)
+    line = carried.splitlines().index(block.splitlines()[1]) + 1
+    with pytest.raises(ApplyError, match=r"already binds _split_query_key_value inside a block \(line") as exc:
+        REGISTRY["gdn_prepare_qkv_fused_copies"](carried, "gated_delta_net.py")
+    assert exc.value.exit_code == 6 and exc.value.name == "_split_query_key_value"
+    assert exc.value.lineno == line and "hint" not in exc.value.message and exc.value.hint
+
+
+@pytest.mark.parametrize("old, gone", [
+    ("from megatron.core.jit import jit_fuser\n", "jit_fuser"),
+    ("from torch import Tensor\n", "Tensor"),
+    ("    from fla.modules.l2norm import l2norm\nexcept ImportError:\n    l2norm = None\n",
+     "l2norm"),
+])
+def test_fused_copies_refuse_a_module_that_lacks_a_name_their_code_reads(old, gone):
+    # hostile19: a carry without the jit_fuser import gave exit 7 with a hint to pass
+    # --no-import-check, which then wrote a module that fails with NameError on import
+    before = _with_cp_size()
+    assert old in before
+    carried = before.replace(old, "    pass\nexcept ImportError:\n    pass\n" if gone == "l2norm" else "", 1)
+    with pytest.raises(ApplyError, match=f"uses {gone}, which the module does not bind") as exc:
+        REGISTRY["gdn_prepare_qkv_fused_copies"](carried, "gated_delta_net.py")
+    assert exc.value.exit_code == 6 and gone in exc.value.hint
+
+
+def test_fused_copies_accept_helpers_the_carry_already_has_in_the_recipes_form_before_the_class():
+    once = REGISTRY["gdn_prepare_qkv_fused_copies"](_with_cp_size(), "gated_delta_net.py").text
+    start, end = once.index("\n\n\n@jit_fuser\ndef _split"), once.index("\n\n\ndef get_parameter_local_cp")
+    helpers = once[start:end]
+    moved = once[:start] + once[end:]
+    moved = moved.replace("\n\n\nclass GatedDeltaNet", helpers + "\n\n\nclass GatedDeltaNet", 1)
+    result = REGISTRY["gdn_prepare_qkv_fused_copies"](moved, "gated_delta_net.py")
+    assert result.status == "already-present" and result.text == moved
+
+
+def test_fused_copies_keep_a_carried_body_rebased_onto_the_template():
+    # hostile19: a carry holding the step's body plus one line of its own (what the conflict hint
+    # asks for: "rebase the carried hunk onto the backported code") was still a conflict (exit 6)
+    once = REGISTRY["gdn_prepare_qkv_fused_copies"](_with_cp_size(), "gated_delta_net.py").text
+    rebased = once.replace("        return _expand_query_key_heads(",
+                           "        query_key = query_key * self.qk_scale  # CARRY19\n"
+                           "        return _expand_query_key_heads(", 1)
+    assert rebased != once
+    result = REGISTRY["gdn_prepare_qkv_fused_copies"](rebased, "gated_delta_net.py")
+    assert result.status == "already-present" and result.text == rebased
+
+
+def test_fused_copies_replace_a_body_whose_template_statement_the_carry_changed():
+    # a changed statement of the template's is not "the template plus additions": the step
+    # rewrites the body (the engine's three-way merge then reports the conflict)
+    once = REGISTRY["gdn_prepare_qkv_fused_copies"](_with_cp_size(), "gated_delta_net.py").text
+    changed = once.replace("query_key = l2norm(query_key)", "query_key = l2norm(query_key, eps=1e-6)", 1)
+    assert changed != once
+    result = REGISTRY["gdn_prepare_qkv_fused_copies"](changed, "gated_delta_net.py")
+    assert result.status == "applied" and result.text == once
 
 
 def test_transforms_are_deterministic():
