@@ -35,4 +35,4 @@ def register(name: str):
     return deco
 
 
-from . import gdn  # noqa: E402,F401  (registers the GDN transforms)
+from . import fixes, gdn  # noqa: E402,F401  (registers the GDN adaptations and the preserved fixes)

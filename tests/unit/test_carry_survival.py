@@ -15,7 +15,7 @@ from backport.errors import ApplyError, RecipeError, VerificationError
 from backport.manifest_md import render_markdown
 from backport.recipe import load_recipe
 from backport.transforms import REGISTRY, Result
-from backport.transforms.gdn import dynamo_state, tuple_index_state
+from backport.transforms.fixes import dynamo_state, tuple_index_state
 from backport.transforms.merge import merge3, merge_carried_functions
 
 from conftest import gdn_text, git_diff, recipe_data, write_recipe
