@@ -261,7 +261,7 @@ class _Run:
         raise ApplyError(
             f"carried hunk {h.n} of {h.path} ({h.oid}, in {exc.scope or 'module level'}) conflicts with recipe step "
             f"{step.id} ({self._what(step)}), which adds {exc.name} to {exc.scope or 'module level'} again: first "
-            f"conflicting line {line!r}.", hint=CONFLICT_HINT.format(oid=h.oid, step=step.id)) from exc
+            f"conflicting line {line!r}.", hint=_binding_hint(exc, h.oid, step.id)) from exc
 
     def _check_whole_file(self, step, before: str, content: str) -> None:
         """An ``upstream_file`` step replaces a file the carry changed: fine only when upstream's
@@ -311,6 +311,15 @@ def _step_paths(step, hunks: dict) -> list[str]:
     if isinstance(step, UpstreamHunks):
         return sorted({hunks[h].path for h in step.hunks if h in hunks})
     return [step.path] if hasattr(step, "path") else []
+
+
+def _binding_hint(exc: BindingExists, oid: str, step_id: str) -> str:
+    """What to do about a carried binding a step would add again: the transform's own advice
+    (drop it, or give it the recipe's form), or the recipe's ``superseded`` route."""
+    if not exc.hint or exc.hint == type(exc).default_hint:
+        return CONFLICT_HINT.format(oid=oid, step=step_id)
+    return (f"{exc.hint.rstrip('.')}. Or, if the backport makes the carried hunk unnecessary, declare it in the "
+            f"recipe: `superseded: [{{hunk: {oid}, step: {step_id}, why: ...}}]`.")
 
 
 def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> Build:

@@ -183,6 +183,10 @@ def test_init_check_in_another_form_through_the_engine_names_the_carried_hunk(tm
     msg = exc.value.message
     assert exc.value.exit_code == 6 and f"carry:{GDN}#1" in msg and "recipe step adapt-init-check" in msg
     assert "adds check_linear_cp_geometry to GatedDeltaNet.__init__ again" in msg and "# CARRY" in msg
+    # the hint is the step's own advice for a binding (not the function-rewrite one), plus `superseded`
+    hint = exc.value.hint
+    assert "Drop the check from the carried patch" in hint and "same lines of this function" not in hint
+    assert f"superseded: [{{hunk: carry:{GDN}#1, step: adapt-init-check" in hint
 
 
 def test_prepare_qkv_parameter_in_another_form_is_refused(tmp_path, fake_repos, make_options):
