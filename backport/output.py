@@ -404,24 +404,19 @@ def check(build, root: Path) -> dict[str, str]:
     return report
 
 
-def _date_on_disk(path: Path) -> "str | None":
+def _json_on_disk(path: Path) -> dict:
+    """The JSON object in ``path``; {} when it is missing, unreadable or not an object."""
     try:
-        return str(json.loads(path.read_text(encoding="utf-8"))["date"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _carry_on_disk(path: Path) -> "dict | None":
-    try:
-        carry = json.loads(path.read_text(encoding="utf-8")).get("carry")
-        return carry if isinstance(carry, dict) else None
-    except (OSError, ValueError, AttributeError):
-        return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _mismatch_hint(build, root: Path) -> "str | None":
     """A hint naming the usual causes, a carry or date mismatch; None keeps the class's."""
-    disk_carry = _carry_on_disk(root / "patches/latest/manifest.json")
+    latest = _json_on_disk(root / "patches/latest/manifest.json")
+    disk_carry = latest.get("carry") if isinstance(latest.get("carry"), dict) else None
     run_carry = build.manifest.get("carry")
     if disk_carry and (not isinstance(run_carry, dict) or run_carry.get("sha256") != disk_carry.get("sha256")):
         return (f"patches/latest was made with --carry {disk_carry.get('name')} (sha256 "
@@ -430,8 +425,9 @@ def _mismatch_hint(build, root: Path) -> "str | None":
                 + ": pass the same --carry to --check, or run `tools/backport` without it to go back to the "
                   "carry-free outputs.")
     day = build.manifest["date"]
-    lock_day = _date_on_disk(root / LOCK)
-    latest_day = _date_on_disk(root / "patches/latest/manifest.json")
+    lock = _json_on_disk(root / LOCK)
+    lock_day = str(lock["date"]) if "date" in lock else None
+    latest_day = str(latest["date"]) if "date" in latest else None
     if lock_day and lock_day != day:
         return (f"This check rebuilt the {day} patch, but {LOCK} is dated {lock_day} (the date is part of the "
                 f"patch). Run the check without --date and with SOURCE_DATE_EPOCH unset to use the lock's date; "

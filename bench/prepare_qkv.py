@@ -356,24 +356,15 @@ def load_base_gdn(base_tree, torch):
 
 
 def build_base_layer(ctx, mod):
-    torch, args = ctx["torch"], ctx["args"]
+    """The base tree's ``GatedDeltaNet`` built by the patched builder (the class swapped in)."""
+    from unittest import mock
+
     import megatron.core.ssm.gated_delta_net as gdn
 
-    with contextlib.ExitStack() as stack:  # the patched builder, with the base class swapped in
-        stack.enter_context(_swap(gdn, "GatedDeltaNet", mod.GatedDeltaNet))
-        layer = gdn_layer.build_layer(args, "headwise", 1, ctx["pg"], torch, ctx["dtype"])
+    with mock.patch.object(gdn, "GatedDeltaNet", mod.GatedDeltaNet):
+        layer = gdn_layer.build_layer(ctx["args"], "headwise", 1, ctx["pg"], ctx["torch"], ctx["dtype"])
     assert type(layer) is mod.GatedDeltaNet
     return layer
-
-
-@contextlib.contextmanager
-def _swap(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 def part_layer(ctx, policies, seqs):
