@@ -124,6 +124,9 @@ def oserror_hint(exc: OSError, path: "str | None" = None) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return (f"Make {where} writable (or choose another --out / --cache-dir), "
                 "then run the same command again.")
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        return (f"A file stands where a folder is needed in {where}; move it or choose another folder, "
+                "then run the same command again.")
     if exc.errno == errno.ENOENT:
         return f"{where} does not exist; check the path, then run the same command again."
     return "Fix the file system problem named above, then run the same command again."

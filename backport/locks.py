@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 import filelock
 
-from .errors import BusyError
+from .errors import BusyError, WriteError, oserror_hint
 
 #: Whether a run waits for a busy lock (True) or refuses at once (``--no-wait``). Set by the
 #: CLI for the extent of one run with :func:`policy`.
@@ -45,6 +45,18 @@ def _owner_note(path: Path) -> str:
         return "owner unknown"
 
 
+def _lock_error(exc: OSError, path: Path, what: str) -> WriteError:
+    """A lock file that cannot be made (exit 1): one line naming it, a hint by errno."""
+    from .sources import default_cache_dir
+
+    where = exc.filename or str(path.parent)
+    hint = oserror_hint(exc, where)
+    cache = default_cache_dir()
+    if path == cache or cache in path.parents:
+        hint += f" (The tool's cache {cache} is $GDN_BACKPORT_CACHE or ~/.cache/gdn-backport.)"
+    return WriteError(f"cannot take the lock for {what}: {exc.strerror or exc}: {where}", hint=hint)
+
+
 @contextlib.contextmanager
 def hold(path: Path, what: str, say: Callable[[str], None] = _say) -> Iterator[None]:
     """Hold the exclusive lock ``path`` (created with its parent) for the block.
@@ -56,10 +68,12 @@ def hold(path: Path, what: str, say: Callable[[str], None] = _say) -> Iterator[N
 
     Raises:
         BusyError: another process holds it and the run's policy is ``--no-wait``.
+        WriteError: the lock file or its folder cannot be made (a file in its path, read-only,
+            disk full); exit 1.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     lock = filelock.FileLock(str(path), thread_local=False)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         lock.acquire(blocking=False)
     except filelock.Timeout:
         holder = _owner_note(path)
@@ -71,6 +85,8 @@ def hold(path: Path, what: str, say: Callable[[str], None] = _say) -> Iterator[N
         t0 = time.monotonic()
         lock.acquire()
         say(f"… got {what} after {time.monotonic() - t0:.1f} s")
+    except OSError as exc:  # the lock's folder is a file, read-only, or on a full disk
+        raise _lock_error(exc, path, what) from None
     owner = path.with_name(path.name + ".owner")
     try:
         tmp = owner.with_name(f"{owner.name}.{os.getpid()}")

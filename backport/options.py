@@ -73,17 +73,18 @@ def parse_date(value: Optional[str]) -> str:
         # layout is checked first (ASCII digits only).
         if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}|[0-9]{8}", value):
             raise UsageError(f"--date {value!r} is not YYYY-MM-DD.", hint="For example --date 2026-11-29.")
+        if int(value[:4]) < 1970:  # before strptime, which refuses year 0000 as "not a date"
+            raise UsageError(f"--date {value!r} is out of range: dates run from {DATE_RANGE[0]} to {DATE_RANGE[1]}.",
+                             hint="Give a date from 1970-01-01 on, for example --date 2026-11-29.")
         for fmt in ("%Y-%m-%d", "%Y%m%d"):
             try:
                 day = dt.datetime.strptime(value, fmt)
                 break
             except ValueError:
                 pass
-        else:
-            raise UsageError(f"--date {value!r} is not YYYY-MM-DD.", hint="For example --date 2026-11-29.")
-        if day.year < 1970:
-            raise UsageError(f"--date {value!r} is out of range: dates run from {DATE_RANGE[0]} to {DATE_RANGE[1]}.",
-                             hint="Give a date from 1970-01-01 on, for example --date 2026-11-29.")
+        else:  # the layout is right, the day is not (month 13, 2026-02-29)
+            raise UsageError(f"--date {value!r} is not a day of the calendar (YYYY-MM-DD).",
+                             hint="Check the month and the day, for example --date 2026-11-29.")
         return day.strftime("%Y%m%d")
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch:

@@ -351,3 +351,12 @@ def main(argv=None) -> None:
         say(f"error: {exc.message}", "bold red")
         say(f"hint: {exc.hint}", "yellow")
         sys.exit(exc.exit_code)
+    except Exception as exc:  # noqa: BLE001 - one line and a hint (exit 1), never a traceback
+        from backport.errors import describe_unexpected
+
+        message, hint = describe_unexpected(exc, "tools/image " + " ".join((argv or sys.argv[1:])[:1]))
+        if not isinstance(exc, OSError):
+            hint = "This is a bug in gdn-backport or an unforeseen input; report it with the command you ran."
+        say(f"error: {' '.join(message.split())}", "bold red")
+        say(f"hint: {hint}", "yellow")
+        sys.exit(1)

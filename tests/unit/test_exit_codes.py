@@ -270,7 +270,10 @@ def test_unexpected_error_logs_the_traceback_and_debug_prints_it(base_args, tmp_
     (["--python", "no-such-python-xyz"], {}, "--python no-such-python-xyz: no such executable interpreter"),
     (["--date", "1969-12-31"], {}, "--date '1969-12-31' is out of range"),
     (["--date", "10000-01-01"], {}, "--date '10000-01-01' is not YYYY-MM-DD"),
-    (["--date", "2026-02-30"], {}, "is not YYYY-MM-DD"),
+    (["--date", "2026-02-30"], {}, "--date '2026-02-30' is not a day of the calendar"),
+    (["--date", "20261301"], {}, "--date '20261301' is not a day of the calendar"),
+    (["--date", "0000-01-01"], {}, "--date '0000-01-01' is out of range"),  # was "not YYYY-MM-DD"
+    (["--date", "2026-11-30 "], {}, "--date '2026-11-30 ' is not YYYY-MM-DD"),
     ([], {"SOURCE_DATE_EPOCH": "-1"}, "SOURCE_DATE_EPOCH='-1' is out of range"),
     ([], {"SOURCE_DATE_EPOCH": "99999999999999"}, "SOURCE_DATE_EPOCH='99999999999999' is out of range"),
     ([], {"SOURCE_DATE_EPOCH": "1e9"}, "SOURCE_DATE_EPOCH='1e9' is not an integer"),

@@ -731,3 +731,36 @@ def test_engine_lock_is_per_engine_and_in_the_tool_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("GDN_BACKPORT_CACHE", str(tmp_path))
     a, b = engine_lock_path("unix:///var/run/docker.sock"), engine_lock_path("tcp://10.0.0.2:2376")
     assert a != b and a.parent == b.parent == tmp_path / "locks"
+
+
+@pytest.mark.parametrize("cache", ["a-file", "a-file/sub"])
+def test_a_cache_that_is_a_file_is_one_line_and_exit_1_not_a_traceback(monkeypatch, capsys, tmp_path, cache):
+    """GDN_BACKPORT_CACHE naming a file (or a folder under one): the engine lock cannot be made;
+    was a NotADirectoryError traceback. Now exit 1 (a system failure), one error line, a hint
+    that names the cache, before Docker is contacted."""
+    (tmp_path / "a-file").write_text("not a folder\n")
+    monkeypatch.setenv("GDN_BACKPORT_CACHE", str(tmp_path / cache))
+    monkeypatch.setenv("DOCKER_HOST", "unix:///tmp/gdn-test-docker.sock")
+    monkeypatch.setattr(image_cli, "docker_client", lambda *a, **k: pytest.fail("Docker contacted without the lock"))
+    with pytest.raises(SystemExit) as exc:
+        image_cli.main(["--no-wait", "prune"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0].startswith("error: cannot take the lock for the Docker Engine") and "Not a directory" in lines[0]
+    assert lines[-1].startswith("hint: ") and "GDN_BACKPORT_CACHE" in err
+
+
+def test_an_unexpected_error_in_an_image_command_is_one_line_and_exit_1(monkeypatch, capsys):
+    """Any exception that is not a PipelineError ends as error + hint lines and exit 1 (was a traceback)."""
+    def boom(*a, **k):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(image_cli, "docker_client", boom)
+    with pytest.raises(SystemExit) as exc:
+        image_cli.main(["prune"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "second line" not in err
+    assert "error: tools/image prune failed: unexpected RuntimeError: boom" in err and "hint: " in err

@@ -184,9 +184,14 @@ def test_cuda_and_cpu_share_every_dockerfile_stage(tmp_path):
              "tree_files": {"base": {}, "patched_changes": {}}}
     wheel = tmp_path / CPU_TORCH_WHEEL.name
     wheel.write_bytes(b"w")
+    # The patch and manifest are synthetic too: a fresh clone has no patches/latest/ (was
+    # FileNotFoundError unless tools/backport had written the worktree's outputs).
+    patch, manifest = tmp_path / "megatron.patch", tmp_path / "manifest.json"
+    patch.write_text("--- a/megatron/core/m.py\n+++ b/megatron/core/m.py\n@@ -1 +1 @@\n-X = 1\n+X = 2\n")
+    manifest.write_text("{}\n")
     ctx = {}
     for flavour in ("cpu", "cuda"):
-        inputs = Inputs(tree=base, lock=flavour_lock(flavour), torch_wheel=wheel)
+        inputs = Inputs(tree=base, patch=patch, manifest=manifest, lock=flavour_lock(flavour), torch_wheel=wheel)
         ctx[flavour] = stage_context(inputs, FLAVOURS[flavour], tmp_path / f"ctx-{flavour}", trees=trees)
 
     def files(root):
