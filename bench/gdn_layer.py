@@ -45,7 +45,8 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("headwise", "all_gather", "chunkwise")
+DEFAULT_SEQ = "8192,16384,32768,65536,131072"
+MODES = ("headwise", "all_gather", "chunkwise", "chunkwise_upstream_layout")
 
 
 def parse_args(argv=None):
@@ -60,7 +61,9 @@ def parse_args(argv=None):
                    help="global sequence lengths, run longest first (default 8192,...,131072; "
                         "with --cpu-smoke 512)")
     p.add_argument("--modes", default="headwise,all_gather,chunkwise,ideal",
-                   help="comma-separated: headwise, all_gather, chunkwise, ideal (the CP=1 layer on T/P tokens)")
+                   help="comma-separated: headwise, all_gather, chunkwise, chunkwise_upstream_layout "
+                        "(chunkwise converting the layout where upstream does, on the wider in_proj "
+                        "output and normalised output), ideal (the CP=1 layer on T/P tokens)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--hidden", type=int, default=4096)
@@ -70,8 +73,11 @@ def parse_args(argv=None):
     p.add_argument("--conv-kernel", type=int, default=4)
     p.add_argument("--budget-s", type=float, default=1e9,
                    help="stop starting new configurations after this many seconds")
-    p.add_argument("--profile", default="", help="write a torch.profiler breakdown of one chunkwise "
-                   "step at P=max(cp), T=this global length (e.g. 32768) to <out>.profile.json")
+    p.add_argument("--profile", type=int, default=0,
+                   help="global length T (one of --seq, e.g. 32768) at which one step of each of "
+                        "headwise, chunkwise and chunkwise_upstream_layout (those in --modes) is "
+                        "profiled right after its timing runs and attributed part by part "
+                        "(bench/profile_attr.py); stored under 'profiles' in --out")
     p.add_argument("--label", default="", help="record the runs of --modes under this mode name "
                    "(e.g. old_headwise for the base tree)")
     p.add_argument("--autotune", choices=["per-width", "full"], default="per-width",
@@ -322,89 +328,106 @@ def summarize(times, mem, tokens, host_syncs=None):
     }
 
 
-def profile_chunkwise(args, torch, dist, pg, cp_size, T, dtype, rank):
-    """One chunkwise step under torch.profiler; device time grouped by stage."""
+# Functions the profiled step wraps in ``gdn::<name>`` ranges: module globals of
+# megatron/core/ssm/gated_delta_net.py (looked up at call time, so rebinding them takes effect),
+# then gdn_context_parallel's, then the layer's own methods and submodules. Missing names are
+# skipped (the base tree lacks the CP ones).
+PROFILED_GLOBALS = ("zigzag_to_contiguous_chunks", "contiguous_to_zigzag_chunks", "build_cp_context",
+                    "causal_conv1d", "l2norm", "_split_query_key_value", "_expand_query_key_heads",
+                    "tensor_a2a_cp2hp", "tensor_a2a_hp2cp")
+PROFILED_CP_HELPERS = ("plan_linear_cp", "packed_cu_seqlens", "check_sequence_lengths",
+                       "check_kernel_extent", "gather_zigzag_sequence", "scatter_zigzag_sequence")
+PROFILED_METHODS = ("_prepare_qkv_for_gated_delta_rule", "_compute_g_and_beta", "_apply_gated_norm",
+                    "gated_delta_rule")
+PROFILED_SUBMODULES = ("in_proj", "out_proj")  # out_norm runs inside the compiled _apply_gated_norm
+PROFILED_MODES = ("headwise", "chunkwise", "chunkwise_upstream_layout")
+
+
+class _UpstreamLayoutSP(int):
+    """``sp_size`` of 1 that is not ``== 1``: the patched layer then converts zigzag <->
+    contiguous on the in_proj output and the normalised output (upstream 5139086e's placement)
+    instead of on the narrower hidden states, which it does only when ``self.sp_size == 1``.
+    Every other use of ``sp_size`` multiplies by it, so nothing else changes. Bench-only lever
+    for the same-call comparison of the two placements (mode ``chunkwise_upstream_layout``)."""
+
+    def __eq__(self, other):
+        return False
+
+    def __ne__(self, other):
+        return True
+
+    __hash__ = int.__hash__
+
+
+def _wrapped_in_ranges(torch, layer):
+    """Rebind the functions above to ``record_function("gdn::<name>")`` wrappers; returns the
+    undo callable."""
     import megatron.core.ssm.gated_delta_net as gdn
+    from megatron.core.ssm import gdn_context_parallel as cpx
+    from torch.profiler import record_function
+
+    def ranged(fn, name):
+        def w(*a, **k):
+            with record_function(f"gdn::{name}"):
+                return fn(*a, **k)
+        return w
+    undo = []
+    for owner, names in ((gdn, PROFILED_GLOBALS), (cpx, PROFILED_CP_HELPERS)):
+        for name in names:
+            fn = getattr(owner, name, None)
+            if callable(fn):
+                setattr(owner, name, ranged(fn, name))
+                undo.append(lambda o=owner, n=name, f=fn: setattr(o, n, f))
+    for name in PROFILED_METHODS:
+        if callable(getattr(layer, name, None)):
+            had = name in vars(layer)
+            old = vars(layer).get(name)
+            setattr(layer, name, ranged(getattr(layer, name), name))
+            undo.append(lambda n=name, h=had, o=old: setattr(layer, n, o) if h else delattr(layer, n))
+    for name in PROFILED_SUBMODULES:
+        mod = getattr(layer, name, None)
+        if mod is not None:
+            mod.forward = ranged(mod.forward, name)
+            undo.append(lambda m=mod: delattr(m, "forward"))
+
+    def restore():
+        for u in reversed(undo):
+            u()
+    return restore
+
+
+def profile_step(args, torch, dist, layer, local_len, dtype, psp=None):
+    """One forward+backward of ``layer`` under torch.profiler, attributed part by part.
+
+    ``layer`` is already warm (the timing runs of the same mode and length ran just before);
+    the input is this rank's zigzag shard ``[local_len, 1, hidden]`` in ``dtype`` (bf16 on the
+    GPU), with ``psp`` for packed THD. Returns ``bench/profile_attr.attribute``'s dict for this
+    rank (times in ms). On CPU (``--cpu-smoke``) only host activity is recorded."""
+    import profile_attr
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    layer = build_layer(args, "chunkwise", cp_size, pg, torch, dtype)
-    wrapped = {}
-    for name in ("zigzag_to_contiguous_chunks", "contiguous_to_zigzag_chunks", "build_cp_context",
-                 "causal_conv1d", "l2norm"):
-        fn = getattr(gdn, name)
-
-        def mk(fn, name):
-            def w(*a, **k):
-                with record_function(f"gdn::{name}"):
-                    return fn(*a, **k)
-            return w
-        wrapped[name] = fn
-        setattr(gdn, name, mk(fn, name))
-    rule = layer.gated_delta_rule
-
-    def rule_w(*a, **k):
-        with record_function("gdn::chunk_gated_delta_rule"):
-            return rule(*a, **k)
-    layer.gated_delta_rule = rule_w
-    local = T // cp_size
     d = dev(torch, args)
-    x = torch.randn(local, 1, args.hidden, device=d, dtype=dtype, requires_grad=True)
-    gy = torch.randn(local, 1, args.hidden, device=d, dtype=dtype)
-    for _ in range(3):
-        out, _ = layer(x, None)
-        out.backward(gy)
-    torch.cuda.synchronize()
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with record_function("gdn::forward"):
-            out, _ = layer(x, None)
-        torch.cuda.synchronize()
-        with record_function("gdn::backward"):
+    x = torch.randn(local_len, 1, args.hidden, device=d, dtype=dtype, requires_grad=True)
+    gy = torch.randn(local_len, 1, args.hidden, device=d, dtype=dtype)
+    sync = (lambda: None) if args.cpu_smoke else torch.cuda.synchronize
+    restore = _wrapped_in_ranges(torch, layer)
+    try:
+        for _ in range(2):
+            out, _ = layer(x, None, packed_seq_params=psp)
             out.backward(gy)
-        torch.cuda.synchronize()
-    for name, fn in wrapped.items():
-        setattr(gdn, name, fn)
-    ev = prof.key_averages()
-    ranges, kernels = {}, []
-    for e in ev:
-        dt = getattr(e, "device_time_total", None)
-        if dt is None:
-            dt = getattr(e, "cuda_time_total", 0)
-        if e.key.startswith("nccl:"):
-            continue  # the profiler's collective annotation: the same time as its ncclDevKernel
-        if e.key.startswith("gdn::"):
-            ranges[e.key] = {"device_ms": round(dt / 1e3, 4), "cpu_ms": round(e.cpu_time_total / 1e3, 4),
-                             "calls": e.count}
-        elif getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type) or (
-                e.cpu_time_total == 0 and dt > 0):
-            kernels.append((e.key, dt / 1e3, e.count))
-    # kernel-name categories over fwd+bwd
-    cats = {}
-
-    def cat(k):
-        kl = k.lower()
-        if "nccl" in kl or "alltoall" in kl or "all_to_all" in kl or "sendrecv" in kl or "allgather" in kl:
-            return "nccl (all-to-all / cp collectives)"
-        if "conv" in kl:
-            return "causal_conv1d"
-        if "gemm" in kl or "cutlass" in kl or "nvjet" in kl or "sm90" in kl or "xmma" in kl:
-            return "gemm (in_proj/out_proj)"
-        if any(s in kl for s in ("chunk", "fwd_h", "bwd_dh", "bwd_dv", "dqkwg", "wy", "recompute",
-                                 "solve_tril", "cumsum", "kkt", "fwd_o", "bwd_o", "merge", "pre_process",
-                                 "state", "cp")):
-            return "gated delta rule scan (+cp state passing)"
-        if "l2norm" in kl or "norm" in kl:
-            return "norms"
-        return "other (elementwise/copies)"
-    for k, ms, n in kernels:
-        c = cat(k)
-        cats[c] = round(cats.get(c, 0.0) + ms, 4)
-    top = sorted(kernels, key=lambda r: -r[1])[:25]
-    res = {"rank": rank, "cp": cp_size, "T": T, "ranges": ranges, "kernel_categories_ms": cats,
-           "top_kernels": [{"name": k[:120], "ms": round(ms, 4), "calls": n} for k, ms, n in top],
-           "total_kernel_ms": round(sum(r[1] for r in kernels), 4)}
-    del layer
-    return res
+        sync()
+        dist.barrier()
+        acts = [ProfilerActivity.CPU] + ([] if args.cpu_smoke else [ProfilerActivity.CUDA])
+        with profile(activities=acts) as prof:
+            with record_function("gdn::forward"):
+                out, _ = layer(x, None, packed_seq_params=psp)
+            sync()
+            with record_function("gdn::backward"):
+                out.backward(gy)
+            sync()
+    finally:
+        restore()
+    return profile_attr.attribute(profile_attr.events_from_profiler(prof))
 
 
 def install_autotune_policy(policy):
@@ -451,6 +474,15 @@ def check_label(args):
     exit 2 message on stderr) with the fix.
     """
     modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES + ("ideal",)]
+    if unknown:
+        raise SystemExit(f"gdn_layer.py: unknown mode(s) {', '.join(unknown)} in --modes; pick from "
+                         f"{', '.join(MODES + ('ideal',))}")
+    seqs = [int(t) for t in (args.seq or DEFAULT_SEQ).split(",") if t]
+    if args.profile and (args.profile not in seqs or not set(modes) & set(PROFILED_MODES)):
+        raise SystemExit(f"gdn_layer.py: --profile {args.profile} profiles a length of --seq "
+                         f"({args.seq}) in one of the modes {', '.join(PROFILED_MODES)}; add it to "
+                         "--seq and --modes, or drop --profile")
     if args.label and (len(modes) != 1 or modes[0] == "ideal"):
         raise SystemExit("gdn_layer.py: --label names one mode's runs; pass exactly one mode and "
                          "no ideal in --modes (e.g. --modes headwise --label old_headwise)")
@@ -462,7 +494,7 @@ def check_label(args):
 def main(argv=None):
     args = parse_args(argv)
     if args.seq is None:  # --cpu-smoke runs the full geometry, so keep its sequence tiny
-        args.seq = "512" if args.cpu_smoke else "8192,16384,32768,65536,131072"
+        args.seq = "512" if args.cpu_smoke else DEFAULT_SEQ
     check_label(args)
     if not args.cpu_smoke:
         install_autotune_policy(args.autotune)
@@ -553,9 +585,13 @@ def main(argv=None):
                     if pg_1 is not None:  # ideal ran before: restore the CP groups
                         pg_cp, pg_1 = init_mpu(P, args), None
                     pg, layer_mode, layer_cp = pg_cp, mode, P
+                    if mode == "chunkwise_upstream_layout":
+                        layer_mode = "chunkwise"
                 t0 = time.time()
                 try:
                     layer = build_layer(args, layer_mode, layer_cp, pg, torch, dtype)
+                    if mode == "chunkwise_upstream_layout":
+                        layer.sp_size = _UpstreamLayoutSP(1)
                     check_samples(T, P, args.samples)
                     psp = packed_params(torch, T // (P if mode == "ideal" else 1), args.samples, dev(torch, args))
                     times, mem, syncs = run_config(args, torch, dist, layer, T // P, args.repeats, args.warmup,
@@ -568,6 +604,19 @@ def main(argv=None):
                               f"min {rec['min_ms']:.3f} p90 {rec['p90_ms']:.3f} "
                               f"alloc {rec['peak_alloc_mib']:.0f} MiB res {rec['peak_reserved_mib']:.0f} MiB "
                               f"({time.time() - t0:.1f}s)")
+                    if T == args.profile and mode in PROFILED_MODES:
+                        t1 = time.time()
+                        mine = profile_step(args, torch, dist, layer, T // P, dtype, psp)
+                        allp = [None] * world
+                        dist.all_gather_object(allp, dict(mine, rank=rank))
+                        name = args.label or mode
+                        result.setdefault("profiles", []).append(
+                            {"cp": P, "mode": name, "T": T, "samples": args.samples,
+                             "median_ms": rec["median_ms"], "ranks": allp})
+                        tot = mine["total"]
+                        log(rank, f"P={P} {mode:10s} T={T:6d}: profiled (rank 0) wall {tot['wall_ms']:.2f} ms, "
+                                  f"GPU busy {tot['busy_ms']:.2f}, idle {tot['idle_ms']:.2f}, host syncs "
+                                  f"{tot['host_syncs']} ({time.time() - t1:.1f}s)")
                 except Exception as e:  # record and continue (e.g. OOM)
                     msg = f"{type(e).__name__}: {e}"
                     result["errors"].append({"cp": P, "mode": args.label if args.label and mode != "ideal"
@@ -580,21 +629,6 @@ def main(argv=None):
                     if not args.cpu_smoke:
                         torch.cuda.empty_cache()
                 dump()
-    if args.profile and not args.cpu_smoke and time.time() - t_start > args.budget_s:
-        result["skipped"].append({"profile": args.profile, "why": "time budget"})
-    elif args.profile and not args.cpu_smoke:
-        try:
-            P = max(cps)
-            T = int(args.profile)
-            pg = init_mpu(P, args)
-            prof = profile_chunkwise(args, torch, dist, pg, P, T, dtype, rank)
-            allp = [None] * world
-            dist.all_gather_object(allp, prof)
-            result["profile_chunkwise"] = allp
-        except Exception as e:
-            result["errors"].append({"profile": f"{type(e).__name__}: {e}"[:2000]})
-            if rank == 0:
-                traceback.print_exc()
     result["meta"]["elapsed_s"] = round(time.time() - t_start, 1)
     dump()
     if ctx is not None:
