@@ -396,7 +396,7 @@ def _wrapped_in_ranges(torch, layer):
     return restore
 
 
-def profile_step(args, torch, dist, layer, local_len, dtype, psp=None):
+def profile_step(args, torch, dist, layer, local_len, dtype, psp=None, trace_out=None):
     """One forward+backward of ``layer`` under torch.profiler, attributed part by part.
 
     ``layer`` is already warm (the timing runs of the same mode and length ran just before);
@@ -427,7 +427,20 @@ def profile_step(args, torch, dist, layer, local_len, dtype, psp=None):
             sync()
     finally:
         restore()
-    return profile_attr.attribute(profile_attr.events_from_profiler(prof))
+    # The Chrome trace is kept beside --out (gzip) so that a step can be re-attributed offline.
+    import gzip
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f:
+            raw = f.read()
+    if trace_out:
+        os.makedirs(os.path.dirname(os.path.abspath(trace_out)) or ".", exist_ok=True)
+        with gzip.open(trace_out, "wb", compresslevel=6) as f:
+            f.write(raw)
+    return profile_attr.attribute(profile_attr.events_from_chrome_trace(json.loads(raw)))
 
 
 def install_autotune_policy(policy):
@@ -606,7 +619,12 @@ def main(argv=None):
                               f"({time.time() - t0:.1f}s)")
                     if T == args.profile and mode in PROFILED_MODES:
                         t1 = time.time()
-                        mine = profile_step(args, torch, dist, layer, T // P, dtype, psp)
+                        stem = os.path.splitext(os.path.abspath(args.out))[0]
+                        trace = f"{stem}.trace-{args.label or mode}-cp{P}-T{T}-rank{rank}.json.gz"
+                        try:
+                            mine = profile_step(args, torch, dist, layer, T // P, dtype, psp, trace)
+                        except ValueError as e:  # not attributable: keep the trace, say why
+                            mine = {"error": str(e)[:2000], "total": {}}
                         allp = [None] * world
                         dist.all_gather_object(allp, dict(mine, rank=rank))
                         name = args.label or mode
@@ -614,9 +632,10 @@ def main(argv=None):
                             {"cp": P, "mode": name, "T": T, "samples": args.samples,
                              "median_ms": rec["median_ms"], "ranks": allp})
                         tot = mine["total"]
-                        log(rank, f"P={P} {mode:10s} T={T:6d}: profiled (rank 0) wall {tot['wall_ms']:.2f} ms, "
-                                  f"GPU busy {tot['busy_ms']:.2f}, idle {tot['idle_ms']:.2f}, host syncs "
-                                  f"{tot['host_syncs']} ({time.time() - t1:.1f}s)")
+                        log(rank, f"P={P} {mode:10s} T={T:6d}: profiled (rank 0) " + (
+                            f"wall {tot['wall_ms']:.2f} ms, GPU busy {tot['busy_ms']:.2f}, idle "
+                            f"{tot['idle_ms']:.2f}, host syncs {tot['host_syncs']}" if tot else
+                            f"NOT ATTRIBUTED: {mine.get('error', '')[:400]}") + f" ({time.time() - t1:.1f}s)")
                 except Exception as e:  # record and continue (e.g. OOM)
                     msg = f"{type(e).__name__}: {e}"
                     result["errors"].append({"cp": P, "mode": args.label if args.label and mode != "ideal"

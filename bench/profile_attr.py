@@ -70,16 +70,28 @@ class Event:
         return self.kind in ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def events_from_profiler(prof) -> list[Event]:
-    """The Kineto events of a finished ``torch.profiler.profile`` as ``Event`` records.
+def events_from_chrome_trace(trace) -> list[Event]:
+    """The complete (``"ph": "X"``) events of a torch.profiler Chrome trace as ``Event`` records.
 
-    Raises AttributeError when this torch has no ``kineto_results`` (then no attribution)."""
+    ``trace``: the dict of ``prof.export_chrome_trace(path)``'s JSON (times in us, floats).
+    Kineto writes ``cat`` (the activity type), ``args["External id"]`` on host ops and on the
+    kernels they launched, and ``args["correlation"]`` on a CUDA runtime call and its kernel.
+    The documented, version-stable form of the profile (``prof.profiler.kineto_results`` lost the
+    ``record_function`` ranges on torch 2.11 with CUDA activity, session 20 call A)."""
     out = []
-    for e in prof.profiler.kineto_results.events():
-        kind = str(e.activity_type()) if hasattr(e, "activity_type") else ""
-        out.append(Event(name=e.name(), kind=kind, start=int(e.start_ns()), end=int(e.end_ns()),
-                         thread=int(e.start_thread_id()), corr=int(e.correlation_id()),
-                         linked=int(e.linked_correlation_id())))
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or "ts" not in e:
+            continue
+        args = e.get("args") or {}
+        kind = e.get("cat", "")
+        start = int(round(float(e["ts"]) * 1000))
+        end = start + int(round(float(e.get("dur", 0)) * 1000))
+        ext, cor = int(args.get("External id", 0) or 0), int(args.get("correlation", 0) or 0)
+        on_gpu = kind in ("kernel", "gpu_memcpy", "gpu_memset")
+        out.append(Event(name=e.get("name", ""), kind=kind, start=start, end=end,
+                         thread=int(e["tid"]) if str(e.get("tid", "")).lstrip("-").isdigit() else 0,
+                         corr=cor if (on_gpu or kind in ("cuda_runtime", "cuda_driver")) else ext,
+                         linked=ext if on_gpu else 0))
     return out
 
 
@@ -156,13 +168,18 @@ def attribute(events: list[Event]) -> dict:
     ms, rounded to 0.1 us. Raises ValueError when a phase range is missing (the bench did not
     open it, so the events are not a profiled layer step)."""
     phase_ev = {}
-    for e in events:
-        if e.name in PHASES and e.kind in ("user_annotation", "cpu_op"):
+    for e in sorted(events, key=lambda e: e.start):  # the host range first, its GPU projection later
+        if e.name in PHASES and e.kind in ("user_annotation", "cpu_op", "gpu_user_annotation"):
             phase_ev.setdefault(e.name, e)
     missing = [p for p in PHASES if p not in phase_ev]
     if missing:
-        raise ValueError(f"no {', '.join(missing)} range among {len(events)} profiler events; "
-                         "profile the step inside record_function ranges of those names")
+        kinds = {}
+        for e in events:
+            kinds[e.kind] = kinds.get(e.kind, 0) + 1
+        named = sorted({f"{e.name} ({e.kind})" for e in events if e.name.startswith("gdn::")})[:12]
+        raise ValueError(f"no {', '.join(missing)} range among {len(events)} profiler events "
+                         f"(kinds {dict(sorted(kinds.items()))}; gdn ranges {named}); profile the step "
+                         "inside record_function ranges of those names")
     order = sorted(phase_ev.values(), key=lambda e: e.start)
     gpu = sorted((e for e in events if e.on_gpu), key=lambda e: e.start)
     (by_op, by_runtime), scopes = _launch_index(events), _scopes(events)
@@ -174,7 +191,7 @@ def attribute(events: list[Event]) -> dict:
         end = max([ph.end] + [e.end for e in acts])
         busy = _union_ns([(e.start, e.end) for e in acts])
         syncs = [e for e in events if e.kind in ("cuda_runtime", "cuda_driver")
-                 and e.name in SYNC_CALLS and ph.start <= e.start < min(hi, end)]
+                 and e.name in SYNC_CALLS and ph.start <= e.start < ph.end]
         for e in syncs:
             where = _scope_of(e.start, scopes) or "unattributed"
             sync_scopes[where] = sync_scopes.get(where, 0) + 1

@@ -94,12 +94,21 @@ def forward(
             kernel_cu_seqlens_cpu = (
                 torch.arange(batch + 1, dtype=torch.int32) * plan.global_seq_len
             )
-            kernel_cu_seqlens = kernel_cu_seqlens_cpu.to(device=hidden_states.device)
+            kernel_cu_seqlens = gdn_context_parallel.host_to_device(
+                kernel_cu_seqlens_cpu, hidden_states.device
+            )
         chunkwise_cp_context = build_cp_context(
             cu_seqlens=kernel_cu_seqlens,
             group=plan.group,
             conv1d_kernel_size=self.conv_kernel_dim,
             cu_seqlens_cpu=kernel_cu_seqlens_cpu,
+        )
+    # Packed chunkwise input: route both layout conversions once, on the host copy (upstream
+    # derives the route from device cu_seqlens at every conversion, syncing the host each time).
+    thd_layout = None
+    if plan.chunkwise and cu_seqlens_q_cpu is not None:
+        thd_layout = gdn_context_parallel.ThdLayoutRoutes(
+            cu_seqlens_q_cpu, plan.group, hidden_states.device
         )
     # FLA's kernels take the host copy beside cu_seqlens (the deterministic torch path never
     # gets packed input).
@@ -129,8 +138,10 @@ def forward(
     )
     if layout_before_in_proj:
         nvtx_range_push(suffix="zigzag_to_contiguous")
-        hidden_states = zigzag_to_contiguous_chunks(
-            hidden_states, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q
+        hidden_states = (
+            thd_layout.to_contiguous(hidden_states)
+            if thd_layout is not None
+            else zigzag_to_contiguous_chunks(hidden_states, plan.group, seq_dim=0)
         )
         nvtx_range_pop(suffix="zigzag_to_contiguous")
 
@@ -143,8 +154,10 @@ def forward(
     if plan.chunkwise and not layout_before_in_proj:
         # Zigzag shard -> contiguous time chunk (rank r holds chunks 2r, 2r+1).
         nvtx_range_push(suffix="zigzag_to_contiguous")
-        qkvzba = zigzag_to_contiguous_chunks(
-            qkvzba, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q
+        qkvzba = (
+            thd_layout.to_contiguous(qkvzba)
+            if thd_layout is not None
+            else zigzag_to_contiguous_chunks(qkvzba, plan.group, seq_dim=0)
         )
         nvtx_range_pop(suffix="zigzag_to_contiguous")
     elif plan.all_gather:
@@ -293,8 +306,10 @@ def forward(
     # Back to this rank's zigzag sequence shard
     if plan.chunkwise and not layout_after_out_proj:
         nvtx_range_push(suffix="contiguous_to_zigzag")
-        norm_out = contiguous_to_zigzag_chunks(
-            norm_out, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q
+        norm_out = (
+            thd_layout.to_zigzag(norm_out)
+            if thd_layout is not None
+            else contiguous_to_zigzag_chunks(norm_out, plan.group, seq_dim=0)
         )
         nvtx_range_pop(suffix="contiguous_to_zigzag")
     elif plan.all_gather:
@@ -323,7 +338,11 @@ def forward(
 
     if layout_after_out_proj:
         nvtx_range_push(suffix="contiguous_to_zigzag")
-        out = contiguous_to_zigzag_chunks(out, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q)
+        out = (
+            thd_layout.to_zigzag(out)
+            if thd_layout is not None
+            else contiguous_to_zigzag_chunks(out, plan.group, seq_dim=0)
+        )
         nvtx_range_pop(suffix="contiguous_to_zigzag")
 
     return out, out_bias

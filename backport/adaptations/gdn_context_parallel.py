@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron.core.context_parallel_layout import get_thd_context_parallel_rank_indices
 from megatron.core.packed_seq_params import resolve_cp_group
+from megatron.core.tensor_parallel import all_to_all
 
 LINEAR_CP_MODES = ("headwise", "chunkwise", "all_gather")
 DEFAULT_LINEAR_CP_MODE = "headwise"
@@ -390,6 +391,19 @@ def check_kernel_extent(
         )
 
 
+def host_to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without blocking the host.
+
+    A plain ``.to("cuda")`` of pageable memory synchronises the stream; a pinned copy with
+    ``non_blocking=True`` does not (the caching host allocator keeps the pinned block alive
+    until the copy has run). Other devices get a plain copy.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _rank_order(cu_seqlens: Optional[torch.Tensor], seq_len: int, cp_size: int, device) -> list:
     # Index arithmetic on the host (no device sync when cu_seqlens is a host copy), then one
     # host->device copy per rank's indices.
@@ -398,9 +412,102 @@ def _rank_order(cu_seqlens: Optional[torch.Tensor], seq_len: int, cp_size: int, 
     else:
         cu = cu_seqlens.detach().to(device="cpu", dtype=torch.long)
     return [
-        get_thd_context_parallel_rank_indices(cu, cp_size, r, "zigzag").to(device)
+        host_to_device(get_thd_context_parallel_rank_indices(cu, cp_size, r, "zigzag"), device)
         for r in range(cp_size)
     ]
+
+
+def _thd_route(source_by_rank: list, target_by_rank: list, rank: int, device) -> tuple:
+    # One rank's all-to-all route from the source to the target layout, on the host. Tokens
+    # are sent grouped by destination rank in the destination's local order, and received
+    # grouped by source rank, as upstream's _zigzag_contiguous_thd_swap does (5139086e,
+    # megatron/core/context_parallel_layout.py).
+    size = len(target_by_rank)
+    total = sum(int(indices.numel()) for indices in target_by_rank)
+    owner = torch.empty(total, dtype=torch.long)
+    slot = torch.empty(total, dtype=torch.long)
+    for dst, indices in enumerate(target_by_rank):
+        owner[indices] = dst
+        slot[indices] = torch.arange(indices.numel())
+    local = source_by_rank[rank]
+    send_rows = torch.argsort(owner[local] * total + slot[local])
+    input_split_sizes = torch.bincount(owner[local], minlength=size).tolist()
+    received = []
+    for src in range(size):
+        tokens = source_by_rank[src]
+        received.append(torch.sort(slot[tokens[owner[tokens] == rank]]).values)
+    output_split_sizes = [int(part.numel()) for part in received]
+    received_slots = torch.cat(received)
+    if not torch.equal(
+        torch.sort(received_slots).values, torch.arange(target_by_rank[rank].numel())
+    ):
+        raise LinearCPError(
+            "The THD zigzag <-> contiguous route does not cover this rank's tokens exactly "
+            "once; cu_seqlens must be the same on every CP rank. Build PackedSeqParams from "
+            "the global (pre-CP) cu_seqlens on all ranks."
+        )
+    gather_rows = torch.argsort(received_slots)
+    return (
+        host_to_device(send_rows, device),
+        host_to_device(gather_rows, device),
+        input_split_sizes,
+        output_split_sizes,
+    )
+
+
+class ThdLayoutRoutes:
+    """Both THD layout conversions of one micro-batch on one CP rank, routed on the host.
+
+    Upstream's ``zigzag_to_contiguous_chunks(..., cu_seqlens=...)`` derives the route from
+    device ``cu_seqlens`` at every call: each call computes every rank's token indices for
+    both layouts with ``.item()``, tensor truth tests and boolean-mask indexing, about 30
+    host syncs per conversion at CP=2. Here the route is derived once per forward from the
+    host copy of ``cu_seqlens`` (the one :func:`packed_cu_seqlens` returns) and only the
+    final row indices are copied to the device, without a sync. The exchanged tokens, their
+    order and the autograd graph (``index_select``, ``all_to_all``, ``index_select``) match
+    upstream's conversion: same values and gradients, bit for bit.
+
+    Args:
+        cu_seqlens_cpu: global cumulative lengths on the host, int ``[num_seqs + 1]``, every
+            sequence length a multiple of ``2 * CP`` (checked by
+            :func:`check_sequence_lengths`).
+        group: CP group (size > 1).
+        device: device of the tensors to convert.
+
+    Raises:
+        LinearCPError: when the route does not place every token exactly once.
+    """
+
+    def __init__(self, cu_seqlens_cpu: torch.Tensor, group: dist.ProcessGroup, device):
+        cu = cu_seqlens_cpu.detach().to(device="cpu", dtype=torch.long)
+        size, rank = group.size(), group.rank()
+        zigzag = [get_thd_context_parallel_rank_indices(cu, size, r, "zigzag") for r in range(size)]
+        contiguous = [
+            get_thd_context_parallel_rank_indices(cu, size, r, "contiguous") for r in range(size)
+        ]
+        self.group = group
+        self._to_contiguous = _thd_route(zigzag, contiguous, rank, device)
+        self._to_zigzag = _thd_route(contiguous, zigzag, rank, device)
+
+    def _swap(self, x: torch.Tensor, route: tuple) -> torch.Tensor:
+        send_rows, gather_rows, input_split_sizes, output_split_sizes = route
+        if x.shape[0] != sum(input_split_sizes):
+            raise LinearCPError(
+                f"Local THD tensor of {x.shape[0]} tokens, but cu_seqlens give this CP rank "
+                f"{sum(input_split_sizes)}; pass each rank its zigzag shard of the packed buffer."
+            )
+        received = all_to_all(
+            self.group, x.index_select(0, send_rows), output_split_sizes, input_split_sizes
+        )
+        return received.index_select(0, gather_rows)
+
+    def to_contiguous(self, x: torch.Tensor) -> torch.Tensor:
+        """``[t_local, ...]`` zigzag shard -> this rank's contiguous span (tokens on dim 0)."""
+        return self._swap(x, self._to_contiguous)
+
+    def to_zigzag(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`to_contiguous`."""
+        return self._swap(x, self._to_zigzag)
 
 
 class _GatherZigzag(torch.autograd.Function):

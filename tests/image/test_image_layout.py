@@ -246,3 +246,60 @@ def test_scatter_zigzag_sequence_and_round_trip_grad(gloo_world, P, case):
         assert (r["shard"] == r["X"][r["zz"]]).all()
         assert (r["round_trip"] == r["X"][r["zz"]]).all()
         assert (r["round_trip_grad"] - r["Gl"]).abs().max() <= 1e-12
+
+
+def _routes_worker(rank, world, _):
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core.context_parallel_layout import (
+        contiguous_to_zigzag_chunks,
+        zigzag_to_contiguous_chunks,
+    )
+    from megatron.core.ssm.gdn_context_parallel import LinearCPError, ThdLayoutRoutes
+
+    group = dist.group.WORLD
+    out = {}
+    for name, (cu, valid) in thd_cases(world).items():
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        X = payload(cu, valid)
+        local = X[zigzag_rank_indices(seq_lens_from_cu(cu), world, rank)].clone()
+        g = torch.randn(local.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        results = {}
+        for impl in ("routes", "upstream"):
+            x = local.clone().requires_grad_(True)
+            if impl == "routes":
+                routes = ThdLayoutRoutes(cu_t, group, "cpu")
+                contig = routes.to_contiguous(x)
+                back = routes.to_zigzag(contig * 2.0)
+            else:
+                contig = zigzag_to_contiguous_chunks(x, group, seq_dim=0, cu_seqlens=cu_t)
+                back = contiguous_to_zigzag_chunks(contig * 2.0, group, seq_dim=0, cu_seqlens=cu_t)
+            back.backward(g)
+            results[impl] = (contig.detach(), back.detach(), x.grad)
+        try:
+            ThdLayoutRoutes(cu_t, group, "cpu").to_contiguous(local[:-1] if local.shape[0] else local)
+            refused = local.shape[0] == 0
+        except LinearCPError as e:
+            refused = "zigzag shard" in str(e)
+        out[name] = {"local": local, "results": results, "refused_short_input": refused}
+    return out
+
+
+@pytest.mark.parametrize("P", (2, 4))
+def test_host_routed_thd_layout_matches_upstream_conversion_bit_for_bit(gloo_world, P):
+    """ThdLayoutRoutes (route from the host copy of cu_seqlens, no device sync) sends the same
+    tokens in the same order as upstream's zigzag_to_contiguous_chunks / contiguous_to_zigzag_chunks
+    with cu_seqlens: outputs and input gradients equal, every THD case, every rank."""
+    need_tree()
+    import torch
+
+    for rank, res in enumerate(gloo_world(_routes_worker, P, None)):
+        for case, r in res.items():
+            cu, valid = thd_cases(P)[case]
+            mine, theirs = r["results"]["routes"], r["results"]["upstream"]
+            assert torch.equal(mine[0], payload(cu, valid)[contiguous_rank_indices(cu[-1], P, rank)]), (rank, case)
+            for got, want, what in zip(mine, theirs, ("contiguous", "back to zigzag", "input gradient")):
+                assert torch.equal(got, want), (rank, case, what)
+            assert torch.equal(mine[1], 2.0 * r["local"]), (rank, case)
+            assert r["refused_short_input"], (rank, case)
