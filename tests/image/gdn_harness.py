@@ -414,6 +414,9 @@ SPIED = {
     "headwise": ("gdn.tensor_a2a_cp2hp", "gdn.tensor_a2a_hp2cp"),
     "chunkwise": ("gdn.zigzag_to_contiguous_chunks", "gdn.contiguous_to_zigzag_chunks",
                   "gdn.build_cp_context"),
+    # packed THD: both conversions go through one host-routed ThdLayoutRoutes per forward
+    # (no device sync), never through upstream's cu_seqlens conversion
+    "chunkwise_thd": ("gcp.ThdLayoutRoutes", "gdn.build_cp_context"),
     "all_gather": ("gcp.gather_zigzag_sequence", "gcp.scatter_zigzag_sequence"),
 }
 
@@ -485,7 +488,8 @@ def spy_paths(module):
 def expected_path(mode: str, cp: int, geom: Geometry, case: Case) -> dict:
     """What the spies must see for ``mode`` at CP size ``cp``."""
     active = mode if cp > 1 else None
-    counts = {q: (q in SPIED[active]) if active else False for names in SPIED.values() for q in names}
+    spied = SPIED["chunkwise_thd" if active == "chunkwise" and case.thd else active] if active else ()
+    counts = {q: q in spied for names in SPIED.values() for q in names}
     tokens = case.length // cp if active == "chunkwise" else case.length
     heads = geom.v_heads // cp if active == "headwise" else geom.v_heads
     return {"called": counts, "cp_context": active == "chunkwise", "tokens": tokens, "heads": heads}
