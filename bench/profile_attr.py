@@ -12,9 +12,10 @@ layer call and around ``backward()``, with a device synchronisation between them
   window, so work that overlaps on two streams (NCCL beside compute) counts once;
 * ``idle_ms = wall_ms - busy_ms``: the GPU waiting for the host (Python and launch overhead,
   host syncs, waiting on the other rank before a collective is launched);
-* ``host_syncs`` / ``host_sync_ms``: CUDA runtime calls that block the host until the device
-  drains (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``,
-  synchronous ``cudaMemcpy``), and the host time spent inside them.
+* ``host_syncs`` / ``host_sync_ms``: CUDA runtime calls made inside the phase's host range
+  that block the host until the device drains (``cudaStreamSynchronize``,
+  ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, synchronous ``cudaMemcpy``), and the
+  host time spent inside them (the bench's own synchronisation after the range is not counted).
 
 Kernel time (sum of durations, both phases) is grouped twice: by category of the kernel name
 (``category``), and by scope, the innermost host range that launched it: a ``gdn::<part>``
@@ -173,8 +174,10 @@ def attribute(events: list[Event]) -> dict:
         acts = [e for e in gpu if ph.start <= e.start < hi]
         end = max([ph.end] + [e.end for e in acts])
         busy = _union_ns([(e.start, e.end) for e in acts])
+        # inside the phase's host range only: the bench's own synchronize after the range (while
+        # the GPU drains the phase's work, so before ``end``) is not the layer's
         syncs = [e for e in events if e.kind in ("cuda_runtime", "cuda_driver")
-                 and e.name in SYNC_CALLS and ph.start <= e.start < min(hi, end)]
+                 and e.name in SYNC_CALLS and ph.start <= e.start < min(hi, ph.end)]
         for e in syncs:
             where = _scope_of(e.start, scopes) or "unattributed"
             sync_scopes[where] = sync_scopes.get(where, 0) + 1
