@@ -382,3 +382,65 @@ def test_upstream_layout_sp_size_is_one_except_for_equality():
     assert not (sp == 1) and sp != 1
     assert 5 * sp == 5 and sp * 4096 == 4096
     assert hash(sp) == hash(1)
+
+
+def _rank_profile(rank, wall, busy, syncs, cats, overlap, scopes, ranges):
+    half = lambda v: round(v / 2, 4)  # noqa: E731
+    phase = {"wall_ms": half(wall), "busy_ms": half(busy), "idle_ms": half(wall - busy),
+             "host_syncs": syncs, "host_sync_ms": 0.1 * syncs, "kernel_ms": half(busy + overlap)}
+    return {"rank": rank, "phases": {"forward": phase, "backward": phase},
+            "total": {"wall_ms": wall, "busy_ms": busy, "idle_ms": round(wall - busy, 4),
+                      "host_syncs": 2 * syncs, "host_sync_ms": 0.2 * syncs, "kernel_ms": busy + overlap},
+            "category_ms": cats, "overlap_ms": overlap, "scope_ms": scopes, "scope_coverage": 0.98,
+            "host_syncs_by_scope": {}, "host_ranges_ms": ranges}
+
+
+def test_report_profile_table_has_the_rows_and_the_difference(tmp_path, report):
+    T, a2a, gemm = 32768, "all-to-all (SendRecv)", "gemm (in_proj, out_proj)"
+    hw = [_rank_profile(r, 20.0, 18.0, 0, {a2a: 3.0, gemm: 8.0}, 1.0, {"in_proj": 4.0}, {"in_proj": 0.2})
+          for r in (0, 1)]
+    # chunkwise: rank 1's wall is 10% above rank 0's (shown in brackets), rank 0's within 5% otherwise
+    cw = [_rank_profile(r, 16.5 if r else 15.0, 14.0, 1, {a2a: 1.5, gemm: 8.0}, 0.5,
+                        {"in_proj": 4.0, "zigzag_to_contiguous_chunks": 0.7},
+                        {"build_cp_context": 0.35, "zigzag_to_contiguous_chunks": 0.1,
+                         "contiguous_to_zigzag_chunks": 0.05}) for r in (0, 1)]
+    doc = {"meta": {}, "runs": [_run("headwise", T, 21.0, 900), _run("chunkwise", T, 16.0, 900)], "errors": [],
+           "profiles": [{"cp": 2, "mode": "headwise", "T": T, "samples": 1, "median_ms": 21.0, "ranks": hw},
+                        {"cp": 2, "mode": "chunkwise", "T": T, "samples": 1, "median_ms": 16.0, "ranks": cw}]}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(doc))
+    s = report.main([str(f), "--outdir", str(tmp_path), "--no-plots"])
+    md = (tmp_path / "gdn_layer_profile.md").read_text()
+    assert "## CP=2, T=32K, SBHD b=1 (2 ranks)" in md
+    assert "| row | headwise | chunkwise | chunkwise - headwise |" in md
+    assert "| CUDA-event median ms (timed runs) | 21.000 | 16.000 | -5.000 |" in md
+    assert "| profiled step wall ms | 20.000 | 15.000 [max 16.500] | -5.000 |" in md
+    assert "| of which GPU busy | 18.000 | 14.000 | -4.000 |" in md
+    assert "| GPU idle (host-bound) | 2.000 | 1.000 [max 2.500] | -1.000 |" in md
+    assert "| all-to-all (SendRecv) | 3.000 | 1.500 | -1.500 |" in md
+    assert "| gemm (in_proj, out_proj) | 8.000 | 8.000 | +0.000 |" in md
+    assert "| minus overlap of streams | 1.000 | 0.500 | -0.500 |" in md
+    assert "| host syncs (count) | 0 | 2 | +2 |" in md
+    assert "| host ms build_cp_context | n/a | 0.350 | n/a |" in md
+    assert "| host ms layout conversion | n/a | 0.150 | n/a |" in md
+    assert "| scope coverage | 98.0% | 98.0% |  |" in md
+    assert "| 2 |  | zigzag_to_contiguous_chunks 0.700 |" in md
+    assert "- **GPU idle (host-bound)**:" in md  # each row's meaning is written out
+    table = s["profiles"][0]
+    assert (table["cp"], table["T"], table["modes"]) == (2, T, ["headwise", "chunkwise"])
+    assert json.loads((tmp_path / "gdn_layer_summary.json").read_text())["profiles"] == s["profiles"]
+    assert s["profile_chunkwise"] == []  # the old key is still summarised (empty here)
+
+
+def test_report_profile_table_without_headwise_has_no_difference(tmp_path, report):
+    T = 16384
+    pr = _rank_profile(0, 10.0, 9.0, 0, {"other": 9.0}, 0.0, {"unattributed": 9.0}, {})
+    doc = {"meta": {}, "runs": [], "errors": [], "profiles": [
+        {"cp": 2, "mode": m, "T": T, "samples": 4, "median_ms": 11.0, "ranks": [pr]}
+        for m in ("chunkwise_upstream_layout", "chunkwise")]}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(doc))
+    report.main([str(f), "--outdir", str(tmp_path), "--no-plots"])
+    md = (tmp_path / "gdn_layer_profile.md").read_text()
+    assert "| row | chunkwise | chunkwise_upstream_layout |" in md and "chunkwise - headwise |" not in md
+    assert "THD 4 samples" in md
