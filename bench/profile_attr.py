@@ -174,10 +174,8 @@ def attribute(events: list[Event]) -> dict:
         acts = [e for e in gpu if ph.start <= e.start < hi]
         end = max([ph.end] + [e.end for e in acts])
         busy = _union_ns([(e.start, e.end) for e in acts])
-        # inside the phase's host range only: the bench's own synchronize after the range (while
-        # the GPU drains the phase's work, so before ``end``) is not the layer's
         syncs = [e for e in events if e.kind in ("cuda_runtime", "cuda_driver")
-                 and e.name in SYNC_CALLS and ph.start <= e.start < min(hi, ph.end)]
+                 and e.name in SYNC_CALLS and ph.start <= e.start < ph.end]
         for e in syncs:
             where = _scope_of(e.start, scopes) or "unattributed"
             sync_scopes[where] = sync_scopes.get(where, 0) + 1
