@@ -12,9 +12,10 @@ layer call and around ``backward()``, with a device synchronisation between them
   window, so work that overlaps on two streams (NCCL beside compute) counts once;
 * ``idle_ms = wall_ms - busy_ms``: the GPU waiting for the host (Python and launch overhead,
   host syncs, waiting on the other rank before a collective is launched);
-* ``host_syncs`` / ``host_sync_ms``: CUDA runtime calls that block the host until the device
-  drains (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``,
-  synchronous ``cudaMemcpy``), and the host time spent inside them.
+* ``host_syncs`` / ``host_sync_ms``: CUDA runtime calls made inside the phase's host range
+  that block the host until the device drains (``cudaStreamSynchronize``,
+  ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, synchronous ``cudaMemcpy``), and the
+  host time spent inside them (the bench's own synchronisation after the range is not counted).
 
 Kernel time (sum of durations, both phases) is grouped twice: by category of the kernel name
 (``category``), and by scope, the innermost host range that launched it: a ``gdn::<part>``

@@ -16,6 +16,10 @@ the ratio table when its runs are present: ``old_headwise`` (base tree, FLA 0.4.
 ``base_fla042`` (base tree, FLA 0.4.2: the dependency upgrade alone), ``headwise`` (patched
 tree, FLA 0.4.2) and ``headwise_qkv_compiled`` (the same with ``--prepare-qkv jit_fuser``).
 ``--no-plots`` skips matplotlib.
+
+Inputs with ``profiles`` (bench/gdn_layer.py ``--profile T``) also give gdn_layer_profile.md:
+one attribution table per (CP, T, samples), a column per profiled mode (see
+``_write_profile``); the tables' data goes under ``profiles`` in gdn_layer_summary.json.
 """
 import argparse
 import json
@@ -25,7 +29,11 @@ import sys
 MODES = ("headwise", "all_gather", "chunkwise", "ideal", "old_headwise")
 # labelled runs of the headwise split experiment (bench/gdn_layer.py --label ...), old to new
 SPLIT = ("old_headwise", "base_fla042", "headwise", "headwise_qkv_compiled")
-PLOTTED = tuple(dict.fromkeys(MODES + SPLIT))
+PLOTTED = tuple(dict.fromkeys(MODES + SPLIT + ("chunkwise_upstream_layout",)))
+PROFILE_ORDER = ("headwise", "chunkwise", "chunkwise_upstream_layout")  # columns, others after
+LAYOUT_RANGES = ("zigzag_to_contiguous_chunks", "contiguous_to_zigzag_chunks")
+TOP_SCOPES = 10
+SPREAD = 0.05  # max over ranks shown when it exceeds rank 0's value by more than this share
 GATES = {
     "chunkwise_vs_all_gather": "throughput ratio >= 1.10 OR peak-memory ratio <= 0.90",
     "chunkwise_vs_headwise": "throughput ratio >= 0.95 AND peak-memory ratio <= 1.05",
@@ -91,6 +99,13 @@ def main(argv=None):
                "not_measured": missing, "not_reported_modes": unknown, "meta": [doc.get("meta", {}) for doc in docs],
                "errors": [e for doc in docs for e in doc.get("errors", [])],
                "profile_chunkwise": profile}
+    profiles = {(p["cp"], p["T"], p.get("samples", 1), p["mode"]): p
+                for doc in docs for p in doc.get("profiles") or []}  # a later file's replaces
+    if profiles:
+        tables = _profile_tables(profiles)
+        summary["profiles"] = tables
+        _write_profile(os.path.join(outdir, "gdn_layer_profile.md"), tables)
+        print(f"profile attribution: {len(tables)} table(s) in gdn_layer_profile.md")
     with open(os.path.join(outdir, "gdn_layer_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
@@ -148,6 +163,129 @@ def _profile_summary(pr):
             "collectives_ms": coll,
             "ranges_device_ms": {k.replace("gdn::", ""): v["device_ms"] for k, v in pr["ranges"].items()
                                  if v.get("device_ms")}}
+
+
+# (row label, meaning, how to read it from one rank's profile_attr.attribute() dict)
+PROFILE_ROWS = (
+    ("CUDA-event median ms (timed runs)", "median of the timed fwd+bwd repeats (max over ranks, "
+     "CUDA events, not profiled)", None),
+    ("profiled step wall ms", "one profiled fwd+bwd: from each phase's host start to its last GPU "
+     "activity, both phases summed", lambda r: r["total"]["wall_ms"]),
+    ("of which GPU busy", "union of GPU activity over all streams (concurrent kernels count once)",
+     lambda r: r["total"]["busy_ms"]),
+    ("GPU idle (host-bound)", "wall minus busy: the GPU waits for the host (Python, launches, "
+     "syncs, the other rank)", lambda r: r["total"]["idle_ms"]),
+)
+PROFILE_TAIL = (
+    ("minus overlap of streams", "kernel ms that ran beside other kernels (NCCL beside compute): "
+     "the categories above minus this row add up to GPU busy", lambda r: r["overlap_ms"]),
+    ("host syncs (count)", "CUDA calls inside the phases' host ranges that block the host until "
+     "the GPU drains", lambda r: r["total"]["host_syncs"]),
+    ("host ms in syncs", "host time spent inside those calls", lambda r: r["total"]["host_sync_ms"]),
+    ("host ms build_cp_context", "host time of the gdn::build_cp_context ranges (n/a: not run "
+     "in this mode)", lambda r: r["host_ranges_ms"].get("build_cp_context")),
+    ("host ms layout conversion", "host time of the gdn::" + " and gdn::".join(LAYOUT_RANGES)
+     + " ranges (n/a: not run in this mode)",
+     lambda r: (None if not any(k in r["host_ranges_ms"] for k in LAYOUT_RANGES)
+                else round(sum(r["host_ranges_ms"].get(k, 0.0) for k in LAYOUT_RANGES), 4))),
+    ("scope coverage", "share of kernel ms whose launching host range was found (scopes "
+     "table below); categories do not depend on it", lambda r: r["scope_coverage"]),
+)
+CATEGORY_MEANING = "kernel ms of this category of kernel name, forward and backward summed"
+
+
+def _profile_tables(profiles):
+    """One table per (CP, T, samples) from ``{(cp, T, samples, mode): profile record}``.
+
+    A cell is ``{"rank0": v, "max": m}`` (``max`` over the ranks, None where it is within
+    ``SPREAD`` of rank 0's value); the ``chunkwise - headwise`` column holds rank 0's
+    difference. Times in ms."""
+    tables = []
+    for cp, T, samples in sorted({k[:3] for k in profiles}):
+        got = {k[3]: p for k, p in profiles.items() if k[:3] == (cp, T, samples)}
+        modes = [m for m in PROFILE_ORDER if m in got] + sorted(set(got) - set(PROFILE_ORDER))
+        ranks = {m: sorted(got[m]["ranks"], key=lambda r: r["rank"]) for m in modes}
+        cats = {c for m in modes for r in ranks[m] for c in r["category_ms"]}
+        cats = sorted(cats, key=lambda c: (-max(ranks[m][0]["category_ms"].get(c, 0.0) for m in modes), c))
+        specs = list(PROFILE_ROWS) + [(c, CATEGORY_MEANING, lambda r, c=c: r["category_ms"].get(c, 0.0))
+                                      for c in cats] + list(PROFILE_TAIL)
+        rows = []
+        for label, meaning, get in specs:
+            cells = {}
+            for m in modes:
+                if get is None:
+                    cells[m] = {"rank0": got[m]["median_ms"], "max": None}
+                    continue
+                vals = [get(r) for r in ranks[m]]
+                v0, vmax = vals[0], max((v for v in vals if v is not None), default=None)
+                spread = v0 is not None and vmax is not None and vmax > v0 + SPREAD * abs(v0)
+                cells[m] = {"rank0": v0, "max": vmax if spread else None}
+            row = {"row": label, "meaning": meaning, "values": cells}
+            a, b = cells.get("chunkwise"), cells.get("headwise")
+            if a and b and label != "scope coverage":
+                row["chunkwise - headwise"] = (None if a["rank0"] is None or b["rank0"] is None
+                                               else round(a["rank0"] - b["rank0"], 4))
+            rows.append(row)
+        top = {m: [list(kv) for kv in sorted(ranks[m][0]["scope_ms"].items(),
+                                             key=lambda kv: (-kv[1], kv[0]))[:TOP_SCOPES]]
+               for m in modes}
+        tables.append({"cp": cp, "T": T, "samples": samples, "modes": modes,
+                       "ranks": len(ranks[modes[0]]), "rows": rows, "top_scopes": top})
+    return tables
+
+
+def _write_profile(path, tables):
+    """gdn_layer_profile.md: the attribution tables of ``_profile_tables``, each followed by the
+    top scopes by kernel ms. Writes ``path`` and returns the text."""
+    def num(label, v):
+        if v is None:
+            return "n/a"
+        if label == "scope coverage":
+            return f"{v:.1%}"
+        if label == "host syncs (count)":
+            return f"{v:g}"
+        return f"{v:.3f}"
+
+    lines = ["# GatedDeltaNet layer: one profiled step, attributed (bench/profile_attr.py)", "",
+             "Each cell is rank 0's value; `[max X]` follows where the largest value over the ranks "
+             f"exceeds rank 0's by more than {SPREAD:.0%}. `chunkwise - headwise` is rank 0's "
+             "difference (negative: chunkwise spends less). Times in ms. Kernel categories are listed "
+             "largest first.", "", "Rows:", ""]
+    for label, meaning, _ in PROFILE_ROWS:
+        lines.append(f"- **{label}**: {meaning}")
+    lines.append(f"- **each kernel category** (after GPU idle): {CATEGORY_MEANING}")
+    for label, meaning, _ in PROFILE_TAIL:
+        lines.append(f"- **{label}**: {meaning}")
+    for t in tables:
+        modes = t["modes"]
+        diff = any("chunkwise - headwise" in r for r in t["rows"])
+        cols = modes + (["chunkwise - headwise"] if diff else [])
+        lay = "SBHD b=1" if t["samples"] == 1 else f"THD {t['samples']} samples"
+        lines += ["", f"## CP={t['cp']}, T={t['T'] // 1024}K, {lay} ({t['ranks']} ranks)", "",
+                  "| row | " + " | ".join(cols) + " |", "| --- |" + " ---: |" * len(cols)]
+        for r in t["rows"]:
+            cells = []
+            for m in modes:
+                c = r["values"][m]
+                cells.append(num(r["row"], c["rank0"]) + (
+                    f" [max {num(r['row'], c['max'])}]" if c["max"] is not None else ""))
+            if diff:
+                d = r.get("chunkwise - headwise")
+                cells.append("" if "chunkwise - headwise" not in r else
+                             "n/a" if d is None else f"{d:+g}" if r["row"] == "host syncs (count)"
+                             else f"{d:+.3f}")
+            lines.append(f"| {r['row']} | " + " | ".join(cells) + " |")
+        lines += ["", f"Top scopes by kernel ms (rank 0): `gdn::` ranges of the forward, autograd "
+                  "nodes `(backward)`; `unattributed`: no launch found.", "",
+                  "| # | " + " | ".join(modes) + " |", "| ---: |" + " --- |" * len(modes)]
+        for i in range(max(len(t["top_scopes"][m]) for m in modes)):
+            cells = [f"{s[0]} {s[1]:.3f}" if i < len(t["top_scopes"][m]) and (s := t["top_scopes"][m][i])
+                     else "" for m in modes]
+            lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    return text
 
 
 def _write_markdown(path, rows):

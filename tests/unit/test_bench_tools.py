@@ -16,6 +16,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def _load(name):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    # registered first, as importlib's recipe does: dataclasses (profile_attr.Event, with postponed
+    # annotations) look their module up in sys.modules while the class is being made
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -237,3 +240,207 @@ def test_prepare_qkv_bench_refuses_bad_arguments_before_any_work(argv, message, 
 def test_prepare_qkv_bench_accepts_its_documented_arguments():
     args = _load("prepare_qkv").parse_args(["--parts", "layer", "--policies", "tree,eager", "--seq", "65536"])
     assert (args.parts, args.policies, args.seq) == ("layer", "tree,eager", "65536")
+
+
+# ---- bench/profile_attr.py: attribution of one profiled step, on synthetic Kineto events -----
+
+MS = 1_000_000  # Kineto times are ns
+
+
+@pytest.fixture
+def attr():
+    return _load("profile_attr")
+
+
+def _ev(attr, name, kind, start_ms, end_ms, **k):
+    return attr.Event(name=name, kind=kind, start=int(round(start_ms * MS)), end=int(round(end_ms * MS)), **k)
+
+
+def _phases(attr, fwd=(0.0, 10.0), bwd=(20.0, 30.0)):
+    return [_ev(attr, "gdn::forward", "user_annotation", *fwd), _ev(attr, "gdn::backward", "user_annotation", *bwd)]
+
+
+def test_profile_wall_is_busy_plus_idle_and_busy_is_the_union(attr):
+    ev = _phases(attr) + [
+        _ev(attr, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "kernel", 1.0, 3.0),
+        # NCCL on its own stream, overlapping the gemm by 1 ms: counted once in busy
+        _ev(attr, "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "kernel", 2.0, 4.0),
+        # the forward's GPU tail runs past the host range: wall ends at the GPU's end (12 ms)
+        _ev(attr, "chunk_gated_delta_rule_fwd_kernel_h", "kernel", 9.0, 12.0),
+        _ev(attr, "chunk_gated_delta_rule_bwd_kernel_dhu", "kernel", 21.0, 25.0),
+    ]
+    a = attr.attribute(ev)
+    fwd, bwd = a["phases"]["forward"], a["phases"]["backward"]
+    assert fwd["wall_ms"] == pytest.approx(12.0) and fwd["busy_ms"] == pytest.approx(6.0)
+    assert fwd["idle_ms"] == pytest.approx(6.0) and fwd["kernel_ms"] == pytest.approx(7.0)
+    assert bwd["wall_ms"] == pytest.approx(10.0)  # host range 20..30 ms outlasts the kernel
+    assert (bwd["busy_ms"], bwd["idle_ms"]) == (pytest.approx(4.0), pytest.approx(6.0))
+    for p in (fwd, bwd, a["total"]):
+        assert p["wall_ms"] == pytest.approx(p["busy_ms"] + p["idle_ms"], abs=1e-4)
+    assert a["total"]["busy_ms"] == pytest.approx(10.0)
+    assert a["overlap_ms"] == pytest.approx(1.0)  # kernel ms 11 - busy 10
+
+
+@pytest.mark.parametrize("name, cat", [
+    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "all-to-all (SendRecv)"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all-gather (FLA CP exchange)"),
+    ("triton_poi_fused__to_copy_add_mul_sigmoid_0", "fused elementwise (torch.compile)"),
+    ("nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT", "gemm (in_proj, out_proj)"),
+    ("cutlass3x_sm90_tensorop_gemm_bf16_bf16_f32_bf16_bf16_128x256x64_warpspecialized", "gemm (in_proj, out_proj)"),
+    ("causal_conv1d_fwd_kernel", "causal_conv1d (incl. CP halo)"),
+    ("l2norm_fwd_kernel", "norms (l2norm, RMSNorm)"),
+    ("chunk_gated_delta_rule_fwd_kernel_h", "gated delta rule scan (incl. CP state merge)"),
+    ("my_mystery_kernel", "other"),
+])
+def test_profile_kernel_categories(attr, name, cat):
+    assert attr.category(name) == cat
+
+
+def _scoped_step(attr):
+    """A forward with two ``gdn::`` scopes (one holding two nested ones) and a backward node; the
+    kernels are launched 1) through an ATen op (``linked``), 2) through a CUDA runtime call
+    (``corr``), 3) from nowhere the profiler saw. Returns (events, expected kernel ms by scope)."""
+    ev = _phases(attr) + [
+        _ev(attr, "gdn::zigzag_to_contiguous_chunks", "user_annotation", 1.0, 3.0, corr=101),
+        _ev(attr, "aten::index_select", "cpu_op", 1.2, 1.5, corr=102),
+        _ev(attr, "indexSelectLargeIndex", "kernel", 4.0, 5.0, corr=9001, linked=102),
+        # gated_delta_rule holds build_cp_context (same start) and l2norm (strictly inside)
+        _ev(attr, "gdn::gated_delta_rule", "user_annotation", 5.0, 9.0, corr=110),
+        _ev(attr, "gdn::build_cp_context", "user_annotation", 5.0, 6.0, corr=111),
+        _ev(attr, "aten::cumsum", "cpu_op", 5.0, 5.2, corr=112),
+        _ev(attr, "gdn::l2norm", "user_annotation", 7.0, 8.0, corr=113),
+        _ev(attr, "aten::empty", "cpu_op", 7.1, 7.2, corr=114),
+        _ev(attr, "aten::add", "cpu_op", 6.5, 6.6, corr=115),
+        _ev(attr, "cumsum_kernel", "kernel", 6.0, 6.5, corr=9002, linked=112),
+        _ev(attr, "l2norm_fwd_kernel", "kernel", 8.0, 8.25, corr=9003, linked=114),
+        _ev(attr, "vectorized_elementwise_kernel", "kernel", 8.5, 8.75, corr=9004, linked=115),
+        # backward: launched by a runtime call inside an autograd node, no ATen link
+        _ev(attr, "autograd::engine::evaluate_function: FooBackward", "cpu_op", 21.0, 24.0, corr=201),
+        _ev(attr, "cudaLaunchKernel", "cuda_runtime", 21.5, 21.6, corr=9100),
+        _ev(attr, "chunk_gated_delta_rule_bwd_kernel_dhu", "kernel", 22.0, 23.0, corr=9100),
+        # no launch event for this one (the profiler dropped it)
+        _ev(attr, "my_mystery_kernel", "kernel", 25.0, 26.0, corr=9999),
+    ]
+    return ev, {"zigzag_to_contiguous_chunks": 1.0, "build_cp_context": 0.5, "l2norm": 0.25,
+                "gated_delta_rule": 0.25, "FooBackward (backward)": 1.0, "unattributed": 1.0}
+
+
+def test_profile_scopes_follow_the_launch_and_the_innermost_range_wins(attr):
+    ev, expected = _scoped_step(attr)
+    a = attr.attribute(ev)
+    assert a["scope_ms"] == pytest.approx(expected)
+    assert a["scope_ms"]["build_cp_context"] == pytest.approx(0.5)  # not its outer gated_delta_rule
+    assert a["scope_coverage"] == pytest.approx(3.0 / 4.0)  # 1 ms of 4 ms has no launch
+    assert a["scope_coverage"] < 1
+    # host ranges: the user annotations' own host time, phases excluded
+    assert a["host_ranges_ms"]["build_cp_context"] == pytest.approx(1.0)
+    assert "forward" not in a["host_ranges_ms"]
+
+
+def test_profile_counts_host_syncs_inside_phases_by_scope(attr):
+    ev, _ = _scoped_step(attr)
+    ev += [
+        _ev(attr, "cudaStreamSynchronize", "cuda_runtime", 1.3, 1.4, corr=9200),  # in zigzag scope
+        _ev(attr, "cudaStreamSynchronize", "cuda_runtime", 23.0, 23.5, corr=9201),  # in FooBackward
+        # outside both phases: before the forward, between the phases (the GPU is idle)
+        _ev(attr, "cudaStreamSynchronize", "cuda_runtime", -2.0, -1.0, corr=9202),
+        _ev(attr, "cudaStreamSynchronize", "cuda_runtime", 15.0, 15.1, corr=9203),
+        # the bench's own torch.cuda.synchronize() right after the forward's host range, while
+        # the forward's last kernel still runs: the bench's, not the layer's
+        _ev(attr, "cudaDeviceSynchronize", "cuda_runtime", 10.0, 12.0, corr=9204),
+        _ev(attr, "tail_kernel", "kernel", 9.0, 12.0, corr=9205),
+        _ev(attr, "cudaLaunchKernel", "cuda_runtime", 2.0, 2.1, corr=9206),  # not a sync call
+    ]
+    a = attr.attribute(ev)
+    assert a["phases"]["forward"]["host_syncs"] == 1
+    assert a["phases"]["forward"]["host_sync_ms"] == pytest.approx(0.1)
+    assert a["phases"]["backward"]["host_syncs"] == 1
+    assert a["phases"]["backward"]["host_sync_ms"] == pytest.approx(0.5)
+    assert a["total"]["host_syncs"] == 2
+    assert a["host_syncs_by_scope"] == {"FooBackward (backward)": 1, "zigzag_to_contiguous_chunks": 1}
+
+
+def test_profile_refuses_events_without_the_backward_range(attr):
+    ev = [e for e in _phases(attr) if e.name != "gdn::backward"]
+    with pytest.raises(ValueError, match="gdn::backward"):
+        attr.attribute(ev + [_ev(attr, "l2norm_fwd_kernel", "kernel", 1.0, 2.0)])
+
+
+def test_bench_checks_modes_and_profile_length():
+    bench = _load("gdn_layer")
+    with pytest.raises(SystemExit, match="unknown mode.*nosuch.*pick from headwise, all_gather, chunkwise, "
+                                         "chunkwise_upstream_layout, ideal"):
+        bench.check_label(bench.parse_args(["--modes", "headwise,nosuch"]))
+    with pytest.raises(SystemExit, match="--profile 1234 profiles a length of --seq"):
+        bench.check_label(bench.parse_args(["--modes", "chunkwise", "--seq", "32768", "--profile", "1234"]))
+    bench.check_label(bench.parse_args(["--modes", "chunkwise,chunkwise_upstream_layout", "--seq", "32768",
+                                        "--profile", "32768"]))
+
+
+def test_upstream_layout_sp_size_is_one_except_for_equality():
+    sp = _load("gdn_layer")._UpstreamLayoutSP(1)
+    assert not (sp == 1) and sp != 1
+    assert 5 * sp == 5 and sp * 4096 == 4096
+    assert hash(sp) == hash(1)
+
+
+def _rank_profile(rank, wall, busy, syncs, cats, overlap, scopes, ranges):
+    half = lambda v: round(v / 2, 4)  # noqa: E731
+    phase = {"wall_ms": half(wall), "busy_ms": half(busy), "idle_ms": half(wall - busy),
+             "host_syncs": syncs, "host_sync_ms": 0.1 * syncs, "kernel_ms": half(busy + overlap)}
+    return {"rank": rank, "phases": {"forward": phase, "backward": phase},
+            "total": {"wall_ms": wall, "busy_ms": busy, "idle_ms": round(wall - busy, 4),
+                      "host_syncs": 2 * syncs, "host_sync_ms": 0.2 * syncs, "kernel_ms": busy + overlap},
+            "category_ms": cats, "overlap_ms": overlap, "scope_ms": scopes, "scope_coverage": 0.98,
+            "host_syncs_by_scope": {}, "host_ranges_ms": ranges}
+
+
+def test_report_profile_table_has_the_rows_and_the_difference(tmp_path, report):
+    T, a2a, gemm = 32768, "all-to-all (SendRecv)", "gemm (in_proj, out_proj)"
+    hw = [_rank_profile(r, 20.0, 18.0, 0, {a2a: 3.0, gemm: 8.0}, 1.0, {"in_proj": 4.0}, {"in_proj": 0.2})
+          for r in (0, 1)]
+    # chunkwise: rank 1's wall is 10% above rank 0's (shown in brackets), rank 0's within 5% otherwise
+    cw = [_rank_profile(r, 16.5 if r else 15.0, 14.0, 1, {a2a: 1.5, gemm: 8.0}, 0.5,
+                        {"in_proj": 4.0, "zigzag_to_contiguous_chunks": 0.7},
+                        {"build_cp_context": 0.35, "zigzag_to_contiguous_chunks": 0.1,
+                         "contiguous_to_zigzag_chunks": 0.05}) for r in (0, 1)]
+    doc = {"meta": {}, "runs": [_run("headwise", T, 21.0, 900), _run("chunkwise", T, 16.0, 900)], "errors": [],
+           "profiles": [{"cp": 2, "mode": "headwise", "T": T, "samples": 1, "median_ms": 21.0, "ranks": hw},
+                        {"cp": 2, "mode": "chunkwise", "T": T, "samples": 1, "median_ms": 16.0, "ranks": cw}]}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(doc))
+    s = report.main([str(f), "--outdir", str(tmp_path), "--no-plots"])
+    md = (tmp_path / "gdn_layer_profile.md").read_text()
+    assert "## CP=2, T=32K, SBHD b=1 (2 ranks)" in md
+    assert "| row | headwise | chunkwise | chunkwise - headwise |" in md
+    assert "| CUDA-event median ms (timed runs) | 21.000 | 16.000 | -5.000 |" in md
+    assert "| profiled step wall ms | 20.000 | 15.000 [max 16.500] | -5.000 |" in md
+    assert "| of which GPU busy | 18.000 | 14.000 | -4.000 |" in md
+    assert "| GPU idle (host-bound) | 2.000 | 1.000 [max 2.500] | -1.000 |" in md
+    assert "| all-to-all (SendRecv) | 3.000 | 1.500 | -1.500 |" in md
+    assert "| gemm (in_proj, out_proj) | 8.000 | 8.000 | +0.000 |" in md
+    assert "| minus overlap of streams | 1.000 | 0.500 | -0.500 |" in md
+    assert "| host syncs (count) | 0 | 2 | +2 |" in md
+    assert "| host ms build_cp_context | n/a | 0.350 | n/a |" in md
+    assert "| host ms layout conversion | n/a | 0.150 | n/a |" in md
+    assert "| scope coverage | 98.0% | 98.0% |  |" in md
+    assert "| 2 |  | zigzag_to_contiguous_chunks 0.700 |" in md
+    assert "- **GPU idle (host-bound)**:" in md  # each row's meaning is written out
+    table = s["profiles"][0]
+    assert (table["cp"], table["T"], table["modes"]) == (2, T, ["headwise", "chunkwise"])
+    assert json.loads((tmp_path / "gdn_layer_summary.json").read_text())["profiles"] == s["profiles"]
+    assert s["profile_chunkwise"] == []  # the old key is still summarised (empty here)
+
+
+def test_report_profile_table_without_headwise_has_no_difference(tmp_path, report):
+    T = 16384
+    pr = _rank_profile(0, 10.0, 9.0, 0, {"other": 9.0}, 0.0, {"unattributed": 9.0}, {})
+    doc = {"meta": {}, "runs": [], "errors": [], "profiles": [
+        {"cp": 2, "mode": m, "T": T, "samples": 4, "median_ms": 11.0, "ranks": [pr]}
+        for m in ("chunkwise_upstream_layout", "chunkwise")]}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(doc))
+    report.main([str(f), "--outdir", str(tmp_path), "--no-plots"])
+    md = (tmp_path / "gdn_layer_profile.md").read_text()
+    assert "| row | chunkwise | chunkwise_upstream_layout |" in md and "chunkwise - headwise |" not in md
+    assert "THD 4 samples" in md
