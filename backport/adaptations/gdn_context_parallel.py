@@ -392,16 +392,14 @@ def check_kernel_extent(
 
 
 def host_to_device(tensor: torch.Tensor, device) -> torch.Tensor:
-    """Copy a host tensor to ``device`` without blocking the host.
+    """Copy a host tensor to ``device`` without synchronising the stream.
 
-    A plain ``.to("cuda")`` of pageable memory synchronises the stream; a pinned copy with
-    ``non_blocking=True`` does not (the caching host allocator keeps the pinned block alive
-    until the copy has run). Other devices get a plain copy.
+    ``.to("cuda")`` waits for the stream after the copy (a host sync). With
+    ``non_blocking=True`` from pageable memory, CUDA stages the bytes before the call returns,
+    so the host tensor may be freed at once and nothing waits for the device. Pinning instead
+    cost 2.8 ms of host time per call on the H200 host (session 20, call B profile).
     """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device, non_blocking=True)
 
 
 def _rank_order(cu_seqlens: Optional[torch.Tensor], seq_len: int, cp_size: int, device) -> list:
@@ -417,42 +415,19 @@ def _rank_order(cu_seqlens: Optional[torch.Tensor], seq_len: int, cp_size: int, 
     ]
 
 
-def _thd_route(source_by_rank: list, target_by_rank: list, rank: int, device) -> tuple:
-    # One rank's all-to-all route from the source to the target layout, on the host. Tokens
-    # are sent grouped by destination rank in the destination's local order, and received
-    # grouped by source rank, as upstream's _zigzag_contiguous_thd_swap does (5139086e,
-    # megatron/core/context_parallel_layout.py).
-    size = len(target_by_rank)
-    total = sum(int(indices.numel()) for indices in target_by_rank)
-    owner = torch.empty(total, dtype=torch.long)
-    slot = torch.empty(total, dtype=torch.long)
-    for dst, indices in enumerate(target_by_rank):
-        owner[indices] = dst
-        slot[indices] = torch.arange(indices.numel())
-    local = source_by_rank[rank]
-    send_rows = torch.argsort(owner[local] * total + slot[local])
-    input_split_sizes = torch.bincount(owner[local], minlength=size).tolist()
-    received = []
-    for src in range(size):
-        tokens = source_by_rank[src]
-        received.append(torch.sort(slot[tokens[owner[tokens] == rank]]).values)
-    output_split_sizes = [int(part.numel()) for part in received]
-    received_slots = torch.cat(received)
-    if not torch.equal(
-        torch.sort(received_slots).values, torch.arange(target_by_rank[rank].numel())
-    ):
-        raise LinearCPError(
-            "The THD zigzag <-> contiguous route does not cover this rank's tokens exactly "
-            "once; cu_seqlens must be the same on every CP rank. Build PackedSeqParams from "
-            "the global (pre-CP) cu_seqlens on all ranks."
-        )
-    gather_rows = torch.argsort(received_slots)
-    return (
-        host_to_device(send_rows, device),
-        host_to_device(gather_rows, device),
-        input_split_sizes,
-        output_split_sizes,
-    )
+def _zigzag_tokens(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    # Global token indices of one rank's zigzag shard, in its local order: per sequence, chunk
+    # cp_rank then chunk 2*cp_size-1-cp_rank of the sequence's 2*cp_size equal chunks. That
+    # order is ascending, which ThdLayoutRoutes relies on. Host tensors, O(tokens), no sort.
+    starts = cu_seqlens[:-1]
+    chunk = (cu_seqlens[1:] - starts) // (2 * cp_size)
+    run_starts = torch.stack(
+        [starts + cp_rank * chunk, starts + (2 * cp_size - 1 - cp_rank) * chunk], dim=1
+    ).flatten()
+    run_lens = chunk.repeat_interleave(2)
+    run_offsets = torch.cumsum(run_lens, 0) - run_lens
+    tokens = int(run_lens.sum())
+    return torch.repeat_interleave(run_starts - run_offsets, run_lens) + torch.arange(tokens)
 
 
 class ThdLayoutRoutes:
@@ -460,12 +435,15 @@ class ThdLayoutRoutes:
 
     Upstream's ``zigzag_to_contiguous_chunks(..., cu_seqlens=...)`` derives the route from
     device ``cu_seqlens`` at every call: each call computes every rank's token indices for
-    both layouts with ``.item()``, tensor truth tests and boolean-mask indexing, about 30
-    host syncs per conversion at CP=2. Here the route is derived once per forward from the
-    host copy of ``cu_seqlens`` (the one :func:`packed_cu_seqlens` returns) and only the
-    final row indices are copied to the device, without a sync. The exchanged tokens, their
-    order and the autograd graph (``index_select``, ``all_to_all``, ``index_select``) match
-    upstream's conversion: same values and gradients, bit for bit.
+    both layouts with ``.item()``, tensor truth tests and boolean-mask indexing (about 30
+    host syncs per conversion at CP=2, 64 per step with 8 samples), then permutes the tokens
+    on both sides of its all-to-all. Here the route is derived once per forward from the
+    host copy of ``cu_seqlens`` (the one :func:`packed_cu_seqlens` returns) in O(tokens)
+    without sorting, and only one index tensor per conversion is copied to the device,
+    without a sync. A zigzag shard lists its tokens in ascending order, so zigzag ->
+    contiguous sends the shard as it is and permutes what it receives, and contiguous ->
+    zigzag permutes what it sends and keeps what it receives. The exchanged tokens and their
+    order match upstream's conversion: same values and gradients, bit for bit.
 
     Args:
         cu_seqlens_cpu: global cumulative lengths on the host, int ``[num_seqs + 1]``, every
@@ -481,25 +459,49 @@ class ThdLayoutRoutes:
     def __init__(self, cu_seqlens_cpu: torch.Tensor, group: dist.ProcessGroup, device):
         cu = cu_seqlens_cpu.detach().to(device="cpu", dtype=torch.long)
         size, rank = group.size(), group.rank()
-        zigzag = [get_thd_context_parallel_rank_indices(cu, size, r, "zigzag") for r in range(size)]
-        contiguous = [
-            get_thd_context_parallel_rank_indices(cu, size, r, "contiguous") for r in range(size)
-        ]
+        span = int(cu[-1]) // size  # tokens of one rank's contiguous part
+        shards = [_zigzag_tokens(cu, size, r) for r in range(size)]
+        lo, hi = rank * span, (rank + 1) * span
+        # Per rank: the tokens of its zigzag shard inside this rank's contiguous span, as
+        # positions in the span (ascending, i.e. in both layouts' local order).
+        in_span = []
+        for shard in shards:
+            first, last = torch.searchsorted(shard, torch.tensor([lo, hi])).tolist()
+            in_span.append(shard[first:last] - lo)
+        by_span = torch.searchsorted(shards[rank], torch.arange(size + 1) * span).tolist()
+        mine_per_span = [by_span[r + 1] - by_span[r] for r in range(size)]
+        from_shards = [int(part.numel()) for part in in_span]
+        received = torch.cat(in_span)
+        filled = torch.zeros(span, dtype=torch.bool)
+        filled[received] = True
+        if received.numel() != span or not bool(filled.all()):
+            raise LinearCPError(
+                "The THD zigzag <-> contiguous route does not cover this rank's tokens exactly "
+                "once; cu_seqlens must be the same on every CP rank. Build PackedSeqParams "
+                "from the global (pre-CP) cu_seqlens on all ranks."
+            )
+        gather_rows = torch.empty_like(received)
+        gather_rows[received] = torch.arange(span)
         self.group = group
-        self._to_contiguous = _thd_route(zigzag, contiguous, rank, device)
-        self._to_zigzag = _thd_route(contiguous, zigzag, rank, device)
+        # (rows to send, rows to keep of what is received, input splits, output splits)
+        self._to_contiguous = (
+            None,
+            host_to_device(gather_rows, device),
+            mine_per_span,
+            from_shards,
+        )
+        self._to_zigzag = (host_to_device(received, device), None, from_shards, mine_per_span)
 
     def _swap(self, x: torch.Tensor, route: tuple) -> torch.Tensor:
-        send_rows, gather_rows, input_split_sizes, output_split_sizes = route
+        send_rows, keep_rows, input_split_sizes, output_split_sizes = route
         if x.shape[0] != sum(input_split_sizes):
             raise LinearCPError(
                 f"Local THD tensor of {x.shape[0]} tokens, but cu_seqlens give this CP rank "
                 f"{sum(input_split_sizes)}; pass each rank its zigzag shard of the packed buffer."
             )
-        received = all_to_all(
-            self.group, x.index_select(0, send_rows), output_split_sizes, input_split_sizes
-        )
-        return received.index_select(0, gather_rows)
+        send = x if send_rows is None else x.index_select(0, send_rows)
+        received = all_to_all(self.group, send.contiguous(), output_split_sizes, input_split_sizes)
+        return received if keep_rows is None else received.index_select(0, keep_rows)
 
     def to_contiguous(self, x: torch.Tensor) -> torch.Tensor:
         """``[t_local, ...]`` zigzag shard -> this rank's contiguous span (tokens on dim 0)."""

@@ -286,7 +286,7 @@ def _routes_worker(rank, world, _):
     return out
 
 
-@pytest.mark.parametrize("P", (2, 4))
+@pytest.mark.parametrize("P", (2, 4, 8))
 def test_host_routed_thd_layout_matches_upstream_conversion_bit_for_bit(gloo_world, P):
     """ThdLayoutRoutes (route from the host copy of cu_seqlens, no device sync) sends the same
     tokens in the same order as upstream's zigzag_to_contiguous_chunks / contiguous_to_zigzag_chunks
@@ -303,3 +303,28 @@ def test_host_routed_thd_layout_matches_upstream_conversion_bit_for_bit(gloo_wor
                 assert torch.equal(got, want), (rank, case, what)
             assert torch.equal(mine[1], 2.0 * r["local"]), (rank, case)
             assert r["refused_short_input"], (rank, case)
+
+
+@pytest.mark.parametrize("P", (1, 2, 3, 4, 8))
+def test_zigzag_tokens_match_upstream_rank_indices_on_random_packs(P):
+    """The route's own O(tokens) zigzag shard (no sort) lists the same tokens in the same order
+    as upstream's get_thd_context_parallel_rank_indices, for random packs with empty segments."""
+    need_tree()
+    import random
+
+    import torch
+
+    from megatron.core.context_parallel_layout import get_thd_context_parallel_rank_indices
+    from megatron.core.ssm.gdn_context_parallel import _zigzag_tokens
+
+    rng = random.Random(1000 + P)
+    for _ in range(40):
+        lens = [2 * P * rng.choice((0, 1, 2, 3, 7)) for _ in range(rng.randint(1, 9))]
+        cu = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.long)
+        if int(cu[-1]) == 0:
+            continue
+        for rank in range(P):
+            want = get_thd_context_parallel_rank_indices(cu, P, rank, "zigzag")
+            got = _zigzag_tokens(cu, P, rank)
+            assert torch.equal(got, want), (lens, rank)
+            assert bool((got[1:] > got[:-1]).all()), "a zigzag shard is listed in ascending order"
