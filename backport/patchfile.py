@@ -64,6 +64,11 @@ def make_patch(files: list, header: str) -> str:
     return header + diff
 
 
+def _neighbour_rank(label: list, other: list, origins: dict) -> tuple:
+    # Sort key of a candidate origin for an unattributed line: recipe before carry, same sign first.
+    return (origins[other[1]]["kind"] == "carried", other[0] != label[0])
+
+
 def attribute_hunks(patch_text: str, ws: Workspace, origins: dict) -> tuple[list, dict]:
     """Attribute every +/- line of the patch to one origin.
 
@@ -71,8 +76,10 @@ def attribute_hunks(patch_text: str, ws: Workspace, origins: dict) -> tuple[list
         (files, stats): per-file hunk records, and counts of exact/neighbour attributions.
 
     Lines that git's diff aligns differently from the step-wise tracking (a moved blank
-    line, say) take the origin of the nearest attributed line of the same hunk; they are
-    counted as ``by_neighbour``.
+    line, say) take the origin of the nearest attributed line of the same hunk, preferring a
+    line of the same sign and never a carried line while a recipe line is there: a carried
+    hunk's lines are always tracked exactly, so a guess must not put a line the user never
+    wrote on their carry. They are counted as ``by_neighbour``.
     """
     stats = Counter()
     files = []
@@ -91,11 +98,12 @@ def attribute_hunks(patch_text: str, ws: Workspace, origins: dict) -> tuple[list
                 if label[1] is not None:
                     stats["exact"] += 1
                     continue
-                near = sorted((abs(j - i), j) for j, other in enumerate(labels) if other[1] is not None and j != i)
+                near = sorted((_neighbour_rank(label, other, origins), abs(j - i), j)
+                              for j, other in enumerate(labels) if other[1] is not None and j != i)
                 if not near:
                     raise ApplyError(f"{pfile.path}: hunk {n} has a line with no origin; attribution failed.",
                                      hint="Report this: a recipe step changed a line without being recorded.")
-                label[1] = labels[near[0][1]][1]
+                label[1] = labels[near[0][2]][1]
                 stats["by_neighbour"] += 1
             per = {}
             for sign, oid in labels:
