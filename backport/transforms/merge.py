@@ -29,10 +29,12 @@ from ..gitenv import isolated
 from ..workspace import split_lines, symbol_spans
 
 CONFLICT_HINT = (
-    "The carried patch and the recipe step change the same lines of this function. Rebase the carried hunk "
-    "onto the backported code (edit the carried patch so that its change fits the new body), or, if the "
-    "backport makes it unnecessary, declare it in the recipe: `superseded: [{{hunk: {oid}, step: {step}, "
-    "why: ...}}]`."
+    "The carried patch and the recipe step change the same lines of this function. Either edit the carried "
+    "hunk (still a diff against the base tree) so that it leaves the lines the step rewrites alone, or so "
+    "that its new body is the step's body with your lines between the step's statements (that form is kept "
+    "as already present); or, if the backport makes your change unnecessary, declare it superseded with a "
+    "top-level key of the recipe file (--recipe, by default manifests/gdn-chunkwise-cp.yaml): "
+    "`superseded: [{{hunk: {oid}, step: {step}, why: ...}}]` (docs/carry.md)."
 )
 
 
