@@ -109,7 +109,7 @@ def main(argv=None):
     with open(os.path.join(outdir, "gdn_layer_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
-    print(_write_markdown(os.path.join(outdir, "gdn_layer_summary.md"), rows), end="")
+    print(_write_markdown(os.path.join(outdir, "gdn_layer_summary.md"), rows, runs, a.json), end="")
     print(f"not measured: {len(missing)} configurations (listed in gdn_layer_summary.json)")
     if a.no_plots:
         return summary
@@ -288,9 +288,10 @@ def _write_profile(path, tables):
     return text
 
 
-def _write_markdown(path, rows):
-    """The ratio table of the closing note: one line per (CP, T) with every measured ratio.
-    Writes it to ``path`` and returns the text."""
+def _write_markdown(path, rows, runs=None, sources=()):
+    """The ratio table of the closing note: one line per (CP, T) with every measured ratio,
+    then every run the ratios come from (``runs``: (CP, mode, T) -> run record, after merging)
+    and the input files in merge order. Writes it to ``path`` and returns the text."""
     cols = ["chunkwise/all_gather throughput", "chunkwise/all_gather peak_alloc",
             "chunkwise/headwise throughput", "chunkwise/headwise peak_alloc",
             "chunkwise efficiency vs ideal", "chunkwise/old_headwise throughput",
@@ -316,6 +317,32 @@ def _write_markdown(path, rows):
             lines.append(f"| {r['cp']} | {r['T'] // 1024}K | " + " | ".join(
                 (f"{r[c]:.2f}" if c.endswith("median_ms") and r[c] is not None else fmt(r[c]))
                 for c in split_cols) + " |")
+    if runs:
+        lines += ["", "Runs (median / min / p90 ms, max over ranks; peak allocated MiB; host syncs per step):", "",
+                  "| CP | mode | T | median | min | p90 | peak alloc | host syncs |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for (P, mode, T), r in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2])):
+            cells = [("n/a" if r.get(k) is None else f"{r[k]:.{d}f}")
+                     for k, d in (("median_ms", 2), ("min_ms", 2), ("p90_ms", 2), ("peak_alloc_mib", 0))]
+            syncs = r.get("host_syncs_per_step")
+            lines.append(f"| {P} | {mode} | {T // 1024}K | " + " | ".join(cells)
+                         + f" | {'n/a' if syncs is None else syncs} |")
+    if sources:
+        lines += ["", "Inputs, in merge order (a later file's run replaces an earlier one of the same CP, mode "
+                  "and T): " + ", ".join(f"`{f}`" for f in sources)]
+    if runs:
+        lines += ["", "Runs (median / min / p90 ms, max over ranks; peak allocated MiB; host syncs per step):", "",
+                  "| CP | mode | T | median | min | p90 | peak alloc | host syncs |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for (P, mode, T), r in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2])):
+            cells = [("n/a" if r.get(k) is None else f"{r[k]:.{d}f}")
+                     for k, d in (("median_ms", 2), ("min_ms", 2), ("p90_ms", 2), ("peak_alloc_mib", 0))]
+            syncs = r.get("host_syncs_per_step")
+            lines.append(f"| {P} | {mode} | {T // 1024}K | " + " | ".join(cells)
+                         + f" | {'n/a' if syncs is None else syncs} |")
+    if sources:
+        lines += ["", "Inputs, in merge order (a later file's run replaces an earlier one of the same CP, mode "
+                  "and T): " + ", ".join(f"`{f}`" for f in sources)]
     text = "\n".join(lines) + "\n"
     with open(path, "w") as f:
         f.write(text)

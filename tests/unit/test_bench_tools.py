@@ -93,7 +93,11 @@ def test_report_split_table_needs_a_split_run_and_names_unknown_labels(tmp_path,
     row = next(r for r in s["rows"] if r["cp"] == 2 and r["T"] == T)
     assert row["headwise/old_headwise time"] == 1.1
     assert row["chunkwise/headwise peak_alloc"] is None  # a missing figure is n/a, not a crash
-    assert "Headwise split" not in (tmp_path / "gdn_layer_summary.md").read_text()
+    text = (tmp_path / "gdn_layer_summary.md").read_text()
+    assert "Headwise split" not in text
+    # every merged run is listed with its figures, a missing one as n/a, and the inputs in order
+    assert "| 2 | chunkwise | 64K | 90.00 | 90.00 | 90.00 | n/a | n/a |" in text
+    assert "Inputs, in merge order" in text and "`s.json`" in text
     assert s["not_reported_modes"] == ["headwise_eager_v2"]
     assert "headwise_eager_v2" in capsys.readouterr().err
 
