@@ -271,6 +271,11 @@ def _host_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total_tokens: int) -> 
             f"PackedSeqParams.{name} must be 1-D with at least two entries [0, ..., total], got "
             f"shape {tuple(cu_seqlens.shape)}. Pass the cumulative lengths of the micro-batch."
         )
+    if cu_seqlens.is_meta:
+        raise LinearCPError(
+            f"PackedSeqParams.{name} is on the meta device (no values). Build it on the host "
+            "or on the device of the micro-batch."
+        )
     # One device->host copy replaces the per-entry .item() calls; the checks below and the
     # normalisation run on the host copy.
     host = cu_seqlens.detach().to("cpu")
@@ -320,8 +325,8 @@ def packed_cu_seqlens(packed_seq_params, total_tokens: int):
         the given tensor (the very tensor when nothing was dropped), and their host copy.
 
     Raises:
-        LinearCPError: missing, non-integer, non-1-D, not starting at 0, decreasing, not
-            ending at ``total_tokens``, or q and kv lengths that differ.
+        LinearCPError: missing, non-integer, non-1-D, on the meta device, not starting at 0,
+            decreasing, not ending at ``total_tokens``, or q and kv lengths that differ.
     """
     chosen = {}
     for side in ("q", "kv"):
