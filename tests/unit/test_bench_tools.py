@@ -164,10 +164,44 @@ def test_prepare_qkv_policy_refuses_an_undecorated_method(fake_gdn):
     (["--modes", "headwise,chunkwise", "--label", "x"], "exactly one mode"),
     (["--modes", "headwise", "--prepare-qkv", "jit_fuser"], "add --label"),
 ])
-def test_bench_refuses_runs_that_would_replace_others(argv, message):
+def test_bench_refuses_runs_that_would_replace_others(argv, message, capsys):
+    assert message in _bench_refusal(argv, capsys)
+
+
+def _bench_refusal(argv, capsys):
+    """check_label's refusal: exit status 2 and one stderr line (returned)."""
     bench = _load("gdn_layer")
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SystemExit) as exc:
         bench.check_label(bench.parse_args(argv))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, (argv, exc.value.code, err)
+    assert err.startswith("gdn_layer.py: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq", "abc"], "--seq 'abc': give positive token counts"),
+    (["--seq", "512,-8"], "--seq '512,-8': give positive token counts"),
+    (["--seq", "0"], "--seq '0'"),
+    (["--seq", ","], "--seq ','"),
+    (["--cp", "abc"], "--cp 'abc': give positive CP sizes"),
+    (["--cp", "0"], "--cp '0'"),
+    (["--cp", "2,-2"], "--cp '2,-2'"),
+    (["--modes", ","], "--modes is empty"),
+    (["--modes", "headwise,headwise"], "--modes names headwise twice"),
+    (["--repeats", "0"], "--repeats 0: must be at least 1"),
+    (["--warmup", "-1"], "--warmup -1: must be at least 0"),
+    (["--samples", "0"], "--samples 0: must be at least 1"),
+    (["--hidden", "0"], "--hidden 0: must be at least 1"),
+    (["--head-dim", "-1"], "--head-dim -1: must be at least 1"),
+    (["--conv-kernel", "0"], "--conv-kernel 0: must be at least 1"),
+    (["--out", "/"], "--out / is a directory"),
+])
+def test_bench_refuses_bad_arguments_with_exit_2_before_any_work(argv, message, capsys):
+    # hostile20: these passed check_label and died later (int() traceback, ZeroDivisionError on
+    # --cp 0, statistics on --repeats 0, IsADirectoryError after the first timed configuration),
+    # and check_label's own refusals exited 1 (SystemExit with a message), not 2
+    assert message in _bench_refusal(argv, capsys)
 
 
 def test_bench_accepts_a_labelled_policy_run():
@@ -366,13 +400,12 @@ def test_profile_refuses_events_without_the_backward_range(attr):
         attr.attribute(ev + [_ev(attr, "l2norm_fwd_kernel", "kernel", 1.0, 2.0)])
 
 
-def test_bench_checks_modes_and_profile_length():
+def test_bench_checks_modes_and_profile_length(capsys):
     bench = _load("gdn_layer")
-    with pytest.raises(SystemExit, match="unknown mode.*nosuch.*pick from headwise, all_gather, chunkwise, "
-                                         "chunkwise_upstream_layout, ideal"):
-        bench.check_label(bench.parse_args(["--modes", "headwise,nosuch"]))
-    with pytest.raises(SystemExit, match="--profile 1234 profiles a length of --seq"):
-        bench.check_label(bench.parse_args(["--modes", "chunkwise", "--seq", "32768", "--profile", "1234"]))
+    assert ("unknown mode(s) nosuch in --modes; pick from headwise, all_gather, chunkwise, "
+            "chunkwise_upstream_layout, ideal") in _bench_refusal(["--modes", "headwise,nosuch"], capsys)
+    assert "--profile 1234 profiles a length of --seq" in _bench_refusal(
+        ["--modes", "chunkwise", "--seq", "32768", "--profile", "1234"], capsys)
     bench.check_label(bench.parse_args(["--modes", "chunkwise,chunkwise_upstream_layout", "--seq", "32768",
                                         "--profile", "32768"]))
 
