@@ -221,12 +221,13 @@ def test_bench_thd_samples_must_split_into_zigzag_chunks(T, P, samples, ok):
             bench.check_samples(T, P, samples)
 
 
-def test_report_refuses_to_mix_sbhd_and_thd(tmp_path, report):
+def test_report_refuses_to_mix_sbhd_and_thd(tmp_path, report, capsys):
     T = 32768
     sbhd = _write(tmp_path / "sbhd.json", [_run("chunkwise", T, 20.0, 900)])  # no "samples": SBHD
     thd = _write(tmp_path / "thd.json", [{**_run("headwise", T, 19.0, 900), "samples": 8}])
-    with pytest.raises(SystemExit, match="mix layouts"):
+    with pytest.raises(SystemExit) as exc:
         report.main([sbhd, thd, "--outdir", str(tmp_path), "--no-plots"])
+    assert exc.value.code == 2 and "mix layouts" in capsys.readouterr().err
     assert report.main([thd, "--outdir", str(tmp_path), "--no-plots"])["samples"] == 8
 
 
@@ -477,3 +478,45 @@ def test_report_profile_table_without_headwise_has_no_difference(tmp_path, repor
     md = (tmp_path / "gdn_layer_profile.md").read_text()
     assert "| row | chunkwise | chunkwise_upstream_layout |" in md and "chunkwise - headwise |" not in md
     assert "THD 4 samples" in md
+
+
+def test_report_profile_with_an_unattributed_or_missing_rank_reports_it(tmp_path, report):
+    # hostile20: bench/gdn_layer.py stores {"error": ..., "total": {}} for a rank whose step could
+    # not be attributed (and a world may lose a rank's record); report.py died with KeyError
+    # 'category_ms' (or IndexError on an empty rank list) instead of writing the tables
+    T, gemm = 32768, "gemm (in_proj, out_proj)"
+    good = _rank_profile(0, 20.0, 18.0, 0, {gemm: 8.0}, 1.0, {"in_proj": 4.0}, {})
+    doc = {"meta": {}, "runs": [_run("headwise", T, 21.0, 900), _run("chunkwise", T, 16.0, 900)], "errors": [],
+           "profiles": [
+               {"cp": 2, "mode": "headwise", "T": T, "samples": 1, "median_ms": 21.0,
+                "ranks": [dict(good), {"rank": 1, "error": "no gdn::backward range among 3 events", "total": {}}]},
+               {"cp": 2, "mode": "chunkwise", "T": T, "samples": 1, "median_ms": 16.0,
+                "ranks": [{"rank": 0, "error": "boom", "total": {}}, dict(good, rank=1)]},
+               {"cp": 2, "mode": "chunkwise_upstream_layout", "T": T, "samples": 1, "median_ms": 17.0,
+                "ranks": []}]}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(doc))
+    s = report.main([str(f), "--outdir", str(tmp_path), "--no-plots"])
+    md = (tmp_path / "gdn_layer_profile.md").read_text()
+    assert "| profiled step wall ms | 20.000 | n/a [max 20.000] | n/a |" in md
+    assert "| gemm (in_proj, out_proj) | 8.000 | n/a [max 8.000] | n/a |" in md
+    assert "not attributed: headwise rank 1 (no gdn::backward range among 3 events); chunkwise rank 0 " \
+           "(boom); chunkwise_upstream_layout: no rank recorded" in md
+    assert s["profiles"][0]["not_attributed"] == {
+        "headwise": ["rank 1 (no gdn::backward range among 3 events)"], "chunkwise": ["rank 0 (boom)"],
+        "chunkwise_upstream_layout": ["no rank recorded"]}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "is not JSON"), ("{\"runs\": [", "is not JSON"), ("[1, 2]", "is not a bench/gdn_layer.py result"),
+    ("{\"runs\": {}}", "is not a bench/gdn_layer.py result"), (None, "cannot read")])
+def test_report_refuses_unreadable_inputs_with_exit_2(tmp_path, report, capsys, text, message):
+    # hostile20: an empty, truncated or foreign input file ended in a JSON traceback (exit 1)
+    f = tmp_path / "in.json"
+    if text is not None:
+        f.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        report.main([str(f), "--outdir", str(tmp_path), "--no-plots"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "gdn_layer_summary.json").exists()
