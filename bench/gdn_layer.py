@@ -653,8 +653,10 @@ def main(argv=None):
                         trace = f"{stem}.trace-{args.label or mode}-cp{P}-T{T}-rank{rank}.json.gz"
                         try:
                             mine = profile_step(args, torch, dist, layer, T // P, dtype, psp, trace)
-                        except ValueError as e:  # not attributable: keep the trace, say why
-                            mine = {"error": str(e)[:2000], "total": {}}
+                        except Exception as e:  # not attributable: keep the trace, say why, and
+                            # still join the other ranks' all_gather_object below
+                            mine = {"error": (str(e) if isinstance(e, ValueError)
+                                              else f"{type(e).__name__}: {e}")[:2000], "total": {}}
                         allp = [None] * world
                         dist.all_gather_object(allp, dict(mine, rank=rank))
                         name = args.label or mode

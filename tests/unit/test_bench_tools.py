@@ -520,3 +520,21 @@ def test_report_refuses_unreadable_inputs_with_exit_2(tmp_path, report, capsys, 
     err = capsys.readouterr().err
     assert exc.value.code == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "gdn_layer_summary.json").exists()
+
+
+@pytest.mark.parametrize("trace", [
+    [], None, {"traceEvents": None}, {"traceEvents": {}},
+    {"traceEvents": [{"ph": "X", "ts": None, "dur": 1.0, "cat": "kernel", "name": "k"}]},
+    {"traceEvents": [{"ph": "X", "ts": "inf", "dur": 1.0, "cat": "kernel", "name": "k"}]},
+    {"traceEvents": [{"ph": "X", "ts": 1.0, "dur": [], "cat": "kernel", "name": "k"}]},
+    {"traceEvents": [{"ph": "X", "ts": 1.0, "dur": 1.0, "cat": "kernel", "name": "k", "args": [1]}]},
+    {"traceEvents": [{"ph": "X", "ts": 1.0, "dur": 1.0, "cat": "kernel", "name": "k",
+                      "args": {"External id": "x1"}}]},
+    {"traceEvents": ["not an event"]},
+])
+def test_profile_trace_parser_raises_value_error_on_malformed_traces(attr, trace):
+    # hostile20: a list, null or mistyped field raised AttributeError/TypeError/OverflowError;
+    # bench/gdn_layer.py catches ValueError only there, so one rank would leave the profile's
+    # all_gather_object and the other ranks would wait for it
+    with pytest.raises(ValueError, match="Chrome trace"):
+        attr.events_from_chrome_trace(trace)
