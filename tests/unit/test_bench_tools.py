@@ -538,3 +538,12 @@ def test_profile_trace_parser_raises_value_error_on_malformed_traces(attr, trace
     # all_gather_object and the other ranks would wait for it
     with pytest.raises(ValueError, match="Chrome trace"):
         attr.events_from_chrome_trace(trace)
+
+
+def test_thd_route_bench_refuses_a_tree_without_the_routes(tmp_path, capsys):
+    # hostile20: --tree without megatron/core/ssm/gdn_context_parallel.py died in an import
+    # traceback (exit 1), or timed whichever megatron PYTHONPATH held
+    with pytest.raises(SystemExit) as exc:
+        _load("thd_route").main(["--tree", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "holds no megatron/core/ssm/gdn_context_parallel.py" in err, err
