@@ -481,7 +481,7 @@ class ThdLayoutRoutes:
         cu_seqlens_cpu: global cumulative lengths on the host, int ``[num_seqs + 1]``, every
             sequence length a multiple of ``2 * CP`` (checked by
             :func:`check_sequence_lengths`).
-        group: CP group (size > 1).
+        group: CP group (size 1: both conversions return their input, as upstream).
         device: device of the tensors to convert.
 
     Raises:
