@@ -479,30 +479,56 @@ def _patch_sha256():
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def check_label(args):
-    """Refuse runs that report.py would merge under a name they do not deserve.
+def _refuse(msg):
+    """Exit 2 (argparse's status for bad arguments) with ``gdn_layer.py: <msg>`` on stderr."""
+    print(f"gdn_layer.py: {msg}", file=sys.stderr)
+    raise SystemExit(2)
 
+
+def _positive_ints(flag, text, what, example):
+    items = [t.strip() for t in (text or "").split(",") if t.strip()]
+    if not items or not all(t.isdigit() and int(t) > 0 for t in items):
+        _refuse(f"{flag} {text!r}: give positive {what}, comma-separated (e.g. {flag} {example})")
+    return [int(t) for t in items]
+
+
+def check_label(args):
+    """Refuse bad arguments, and runs that report.py would merge under a name they do not deserve,
+    before any work (no torch, no process group).
+
+    Checks the numbers (--seq, --cp, --modes, counts), that --out is not a directory, and:
     ``--label`` names exactly one mode's runs and no ``ideal`` (an ideal run of another tree or
     policy would replace the patched tree's CP=1 baseline); a ``--prepare-qkv`` other than
-    ``tree`` needs a label (it would replace the as-is runs). Raises SystemExit (argparse-style
-    exit 2 message on stderr) with the fix.
+    ``tree`` needs a label (it would replace the as-is runs). Raises SystemExit(2) after one
+    ``gdn_layer.py: ...`` line on stderr that says what to change.
     """
+    seqs = _positive_ints("--seq", args.seq or DEFAULT_SEQ, "token counts", "32768,65536")
+    _positive_ints("--cp", args.cp, "CP sizes", "2,4")
     modes = [m for m in args.modes.split(",") if m]
+    if not modes:
+        _refuse(f"--modes is empty; pick from {', '.join(MODES + ('ideal',))}")
     unknown = [m for m in modes if m not in MODES + ("ideal",)]
     if unknown:
-        raise SystemExit(f"gdn_layer.py: unknown mode(s) {', '.join(unknown)} in --modes; pick from "
-                         f"{', '.join(MODES + ('ideal',))}")
-    seqs = [int(t) for t in (args.seq or DEFAULT_SEQ).split(",") if t]
+        _refuse(f"unknown mode(s) {', '.join(unknown)} in --modes; pick from "
+                f"{', '.join(MODES + ('ideal',))}")
+    twice = sorted({m for m in modes if modes.count(m) > 1})
+    if twice:
+        _refuse(f"--modes names {', '.join(twice)} twice; name each mode once")
+    for flag, least in (("repeats", 1), ("warmup", 0), ("samples", 1), ("hidden", 1), ("key_heads", 1),
+                        ("value_heads", 1), ("head_dim", 1), ("conv_kernel", 1)):
+        if getattr(args, flag) < least:
+            _refuse(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least {least}")
+    if os.path.isdir(args.out):
+        _refuse(f"--out {args.out} is a directory; give the path of the JSON file to write")
     if args.profile and (args.profile not in seqs or not set(modes) & set(PROFILED_MODES)):
-        raise SystemExit(f"gdn_layer.py: --profile {args.profile} profiles a length of --seq "
-                         f"({args.seq}) in one of the modes {', '.join(PROFILED_MODES)}; add it to "
-                         "--seq and --modes, or drop --profile")
+        _refuse(f"--profile {args.profile} profiles a length of --seq ({args.seq}) in one of the modes "
+                f"{', '.join(PROFILED_MODES)}; add it to --seq and --modes, or drop --profile")
     if args.label and (len(modes) != 1 or modes[0] == "ideal"):
-        raise SystemExit("gdn_layer.py: --label names one mode's runs; pass exactly one mode and "
-                         "no ideal in --modes (e.g. --modes headwise --label old_headwise)")
+        _refuse("--label names one mode's runs; pass exactly one mode and no ideal in --modes "
+                "(e.g. --modes headwise --label old_headwise)")
     if args.prepare_qkv != "tree" and not args.label:
-        raise SystemExit(f"gdn_layer.py: --prepare-qkv {args.prepare_qkv} changes the layer, so its runs "
-                         "need their own name: add --label (e.g. --label headwise_qkv_compiled)")
+        _refuse(f"--prepare-qkv {args.prepare_qkv} changes the layer, so its runs need their own name: "
+                "add --label (e.g. --label headwise_qkv_compiled)")
 
 
 def main(argv=None):
@@ -510,6 +536,9 @@ def main(argv=None):
     if args.seq is None:  # --cpu-smoke runs the full geometry, so keep its sequence tiny
         args.seq = "512" if args.cpu_smoke else DEFAULT_SEQ
     check_label(args)
+    if not os.path.isfile(os.path.join(args.tree, "megatron", "core", "ssm", "gated_delta_net.py")):
+        _refuse(f"--tree {args.tree} holds no megatron/core/ssm/gated_delta_net.py; build it with "
+                "tools/backport --upstream 5139086e, or pass --tree build/tree/base")
     if not args.cpu_smoke:
         install_autotune_policy(args.autotune)
     sys.path.insert(0, args.tree)
@@ -624,8 +653,10 @@ def main(argv=None):
                         trace = f"{stem}.trace-{args.label or mode}-cp{P}-T{T}-rank{rank}.json.gz"
                         try:
                             mine = profile_step(args, torch, dist, layer, T // P, dtype, psp, trace)
-                        except ValueError as e:  # not attributable: keep the trace, say why
-                            mine = {"error": str(e)[:2000], "total": {}}
+                        except Exception as e:  # not attributable: keep the trace, say why, and
+                            # still join the other ranks' all_gather_object below
+                            mine = {"error": (str(e) if isinstance(e, ValueError)
+                                              else f"{type(e).__name__}: {e}")[:2000], "total": {}}
                         allp = [None] * world
                         dist.all_gather_object(allp, dict(mine, rank=rank))
                         name = args.label or mode

@@ -78,18 +78,31 @@ def events_from_chrome_trace(trace) -> list[Event]:
     Kineto writes ``cat`` (the activity type), ``args["External id"]`` on host ops and on the
     kernels they launched, and ``args["correlation"]`` on a CUDA runtime call and its kernel.
     The documented, version-stable form of the profile (``prof.profiler.kineto_results`` lost the
-    ``record_function`` ranges on torch 2.11 with CUDA activity, session 20 call A)."""
+    ``record_function`` ranges on torch 2.11 with CUDA activity, session 20 call A).
+
+    Raises ValueError (naming the Chrome trace) for anything else: not an object with a
+    ``traceEvents`` list, or an event whose fields have the wrong types (the bench treats a
+    ValueError as "not attributable" on that rank and still joins the other ranks)."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else None
+    if not isinstance(events, list):
+        raise ValueError(f"not a Chrome trace: expected an object with a 'traceEvents' list, got "
+                         f"{type(trace).__name__}" + (f" with {type(events).__name__} traceEvents"
+                                                      if isinstance(trace, dict) else ""))
     out = []
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") != "X" or "ts" not in e:
-            continue
-        args = e.get("args") or {}
-        kind = e.get("cat", "")
-        start = int(round(float(e["ts"]) * 1000))
-        end = start + int(round(float(e.get("dur", 0)) * 1000))
-        ext, cor = int(args.get("External id", 0) or 0), int(args.get("correlation", 0) or 0)
+    for i, e in enumerate(events):
+        try:
+            if e.get("ph") != "X" or "ts" not in e:
+                continue
+            args = e.get("args") or {}
+            kind = e.get("cat", "")
+            start = int(round(float(e["ts"]) * 1000))
+            end = start + int(round(float(e.get("dur", 0)) * 1000))
+            ext, cor = int(args.get("External id", 0) or 0), int(args.get("correlation", 0) or 0)
+        except (AttributeError, TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"Chrome trace event {i} is malformed ({type(exc).__name__}: {exc}): "
+                             f"{str(e)[:200]}") from None
         on_gpu = kind in ("kernel", "gpu_memcpy", "gpu_memset")
-        out.append(Event(name=e.get("name", ""), kind=kind, start=start, end=end,
+        out.append(Event(name=str(e.get("name", "")), kind=str(kind), start=start, end=end,
                          thread=int(e["tid"]) if str(e.get("tid", "")).lstrip("-").isdigit() else 0,
                          corr=cor if (on_gpu or kind in ("cuda_runtime", "cuda_driver")) else ext,
                          linked=ext if on_gpu else 0))

@@ -48,12 +48,12 @@ def main(argv=None):
     a = ap.parse_args(argv)
     outdir = a.outdir or os.path.dirname(os.path.abspath(a.json[0]))
     os.makedirs(outdir, exist_ok=True)
-    docs = [json.load(open(f)) for f in a.json]
+    docs = [_read_input(f) for f in a.json]
     runs = {(r["cp"], r["mode"], r["T"]): r for doc in docs for r in doc.get("runs", [])}
     layouts = sorted({r.get("samples", 1) for r in runs.values()})
     if len(layouts) > 1:
-        raise SystemExit(f"bench/report.py: the inputs mix layouts (samples per run: {layouts}; 1 = SBHD, "
-                         "N > 1 = THD of N samples); report one layout at a time")
+        _refuse(f"the inputs mix layouts (samples per run: {layouts}; 1 = SBHD, N > 1 = THD of N samples); "
+                "report one layout at a time")
     unknown = sorted({k[1] for k in runs} - set(PLOTTED))
     if unknown:
         print(f"bench/report.py: runs labelled {', '.join(unknown)} are not part of any table or plot; "
@@ -144,6 +144,28 @@ def main(argv=None):
     return summary
 
 
+def _refuse(msg):
+    """Exit 2 (bad input, argparse's status) with one ``bench/report.py: <msg>`` line on stderr."""
+    print(f"bench/report.py: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _read_input(path):
+    """One bench/gdn_layer.py ``--out`` document; refuses (exit 2) what is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        _refuse(f"cannot read {path}: {e.strerror or e}; pass the JSON files bench/gdn_layer.py --out wrote")
+    except ValueError as e:
+        _refuse(f"{path} is not JSON ({e}); pass the JSON files bench/gdn_layer.py --out wrote")
+    if not isinstance(doc, dict) or not isinstance(doc.get("runs", []), list) or not isinstance(
+            doc.get("profiles") or [], list):
+        _refuse(f"{path} is not a bench/gdn_layer.py result (an object with a 'runs' list); pass the "
+                "JSON files bench/gdn_layer.py --out wrote")
+    return doc
+
+
 def _profile_summary(pr):
     """Device ms of one profiled chunkwise step (one rank), collectives counted once.
 
@@ -205,8 +227,15 @@ def _profile_tables(profiles):
         got = {k[3]: p for k, p in profiles.items() if k[:3] == (cp, T, samples)}
         modes = [m for m in PROFILE_ORDER if m in got] + sorted(set(got) - set(PROFILE_ORDER))
         ranks = {m: sorted(got[m]["ranks"], key=lambda r: r["rank"]) for m in modes}
-        cats = {c for m in modes for r in ranks[m] for c in r["category_ms"]}
-        cats = sorted(cats, key=lambda c: (-max(ranks[m][0]["category_ms"].get(c, 0.0) for m in modes), c))
+        # a rank whose step was not attributed (gdn_layer.py stores its error and an empty total)
+        # gives n/a cells; the table lists it under not_attributed
+        not_attributed = {m: [f"rank {r['rank']} ({r.get('error', 'no attribution')})" for r in ranks[m]
+                              if not r.get("total")] or ([] if ranks[m] else ["no rank recorded"])
+                          for m in modes}
+        not_attributed = {m: v for m, v in not_attributed.items() if v}
+        first = {m: (ranks[m][:1] or [{}])[0] for m in modes}
+        cats = {c for m in modes for r in ranks[m] for c in r.get("category_ms", {})}
+        cats = sorted(cats, key=lambda c: (-max(first[m].get("category_ms", {}).get(c, 0.0) for m in modes), c))
         specs = list(PROFILE_ROWS) + [(c, CATEGORY_MEANING, lambda r, c=c: r["category_ms"].get(c, 0.0))
                                       for c in cats] + list(PROFILE_TAIL)
         rows = []
@@ -216,9 +245,10 @@ def _profile_tables(profiles):
                 if get is None:
                     cells[m] = {"rank0": got[m]["median_ms"], "max": None}
                     continue
-                vals = [get(r) for r in ranks[m]]
-                v0, vmax = vals[0], max((v for v in vals if v is not None), default=None)
-                spread = v0 is not None and vmax is not None and vmax > v0 + SPREAD * abs(v0)
+                vals = [get(r) if r.get("total") else None for r in ranks[m]]
+                v0 = vals[0] if vals else None
+                vmax = max((v for v in vals if v is not None), default=None)
+                spread = vmax is not None and (v0 is None or vmax > v0 + SPREAD * abs(v0))
                 cells[m] = {"rank0": v0, "max": vmax if spread else None}
             row = {"row": label, "meaning": meaning, "values": cells}
             a, b = cells.get("chunkwise"), cells.get("headwise")
@@ -226,11 +256,12 @@ def _profile_tables(profiles):
                 row["chunkwise - headwise"] = (None if a["rank0"] is None or b["rank0"] is None
                                                else round(a["rank0"] - b["rank0"], 4))
             rows.append(row)
-        top = {m: [list(kv) for kv in sorted(ranks[m][0]["scope_ms"].items(),
+        top = {m: [list(kv) for kv in sorted(first[m].get("scope_ms", {}).items(),
                                              key=lambda kv: (-kv[1], kv[0]))[:TOP_SCOPES]]
                for m in modes}
         tables.append({"cp": cp, "T": T, "samples": samples, "modes": modes,
-                       "ranks": len(ranks[modes[0]]), "rows": rows, "top_scopes": top})
+                       "ranks": max(len(ranks[m]) for m in modes), "rows": rows, "top_scopes": top,
+                       "not_attributed": not_attributed})
     return tables
 
 
@@ -275,6 +306,10 @@ def _write_profile(path, tables):
                              "n/a" if d is None else f"{d:+g}" if r["row"] == "host syncs (count)"
                              else f"{d:+.3f}")
             lines.append(f"| {r['row']} | " + " | ".join(cells) + " |")
+        if t.get("not_attributed"):
+            lines += ["", "n/a where a rank's step was not attributed; not attributed: " + "; ".join(
+                f"{m} {w}" if w.startswith("rank ") else f"{m}: {w}"
+                for m, ws in t["not_attributed"].items() for w in ws)]
         lines += ["", f"Top scopes by kernel ms (rank 0): `gdn::` ranges of the forward, autograd "
                   "nodes `(backward)`; `unattributed`: no launch found.", "",
                   "| # | " + " | ".join(modes) + " |", "| ---: |" + " --- |" * len(modes)]

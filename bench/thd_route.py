@@ -49,6 +49,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if not Path(args.tree, "megatron", "core", "ssm", "gdn_context_parallel.py").is_file():
+        ap.error(f"--tree {args.tree} holds no megatron/core/ssm/gdn_context_parallel.py; build the "
+                 "patched tree with tools/backport --upstream 5139086e or pass its path")
     sys.path.insert(0, args.tree)
     import torch
 

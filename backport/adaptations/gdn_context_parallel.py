@@ -271,6 +271,11 @@ def _host_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total_tokens: int) -> 
             f"PackedSeqParams.{name} must be 1-D with at least two entries [0, ..., total], got "
             f"shape {tuple(cu_seqlens.shape)}. Pass the cumulative lengths of the micro-batch."
         )
+    if cu_seqlens.is_meta:
+        raise LinearCPError(
+            f"PackedSeqParams.{name} is on the meta device (no values). Build it on the host "
+            "or on the device of the micro-batch."
+        )
     # One device->host copy replaces the per-entry .item() calls; the checks below and the
     # normalisation run on the host copy.
     host = cu_seqlens.detach().to("cpu")
@@ -320,8 +325,8 @@ def packed_cu_seqlens(packed_seq_params, total_tokens: int):
         the given tensor (the very tensor when nothing was dropped), and their host copy.
 
     Raises:
-        LinearCPError: missing, non-integer, non-1-D, not starting at 0, decreasing, not
-            ending at ``total_tokens``, or q and kv lengths that differ.
+        LinearCPError: missing, non-integer, non-1-D, on the meta device, not starting at 0,
+            decreasing, not ending at ``total_tokens``, or q and kv lengths that differ.
     """
     chosen = {}
     for side in ("q", "kv"):
@@ -430,6 +435,33 @@ def _zigzag_tokens(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torc
     return torch.repeat_interleave(run_starts - run_offsets, run_lens) + torch.arange(tokens)
 
 
+def _route_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
+    # The checks depend only on the global cu_seqlens, so every rank refuses alike (a rank
+    # that built its route would otherwise wait in the all-to-all for one that refused), and
+    # a length not divisible by 2*CP cannot silently drop its tail tokens from the route.
+    if cu_seqlens.dtype not in CU_SEQLENS_DTYPES or cu_seqlens.dim() != 1 or cu_seqlens.is_meta:
+        raise LinearCPError(
+            "THD layout routes need cu_seqlens as a 1-D int32 or int64 host tensor with values, "
+            f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)} on "
+            f"{cu_seqlens.device}. Pass the host copy that packed_cu_seqlens returns."
+        )
+    cu = cu_seqlens.detach().to(device="cpu", dtype=torch.long)
+    lengths = torch.diff(cu)
+    if cu.numel() == 0 or int(cu[0]) != 0 or bool((lengths < 0).any()):
+        raise LinearCPError(
+            f"THD cu_seqlens must start at 0 and never decrease, got {cu.tolist()[:16]}. Pass "
+            "the global cumulative lengths with a leading 0."
+        )
+    bad = lengths[lengths % (2 * cp_size) != 0] if cp_size > 1 else lengths[:0]
+    if bad.numel():
+        raise LinearCPError(
+            f"THD zigzag <-> contiguous conversion with CP={cp_size} needs every sequence "
+            f"length divisible by 2*CP={2 * cp_size}; got {bad.tolist()[:8]}. Pad each "
+            "sequence (cu_seqlens_q_padded) to a multiple of 2*CP."
+        )
+    return cu
+
+
 class ThdLayoutRoutes:
     """Both THD layout conversions of one micro-batch on one CP rank, routed on the host.
 
@@ -449,16 +481,24 @@ class ThdLayoutRoutes:
         cu_seqlens_cpu: global cumulative lengths on the host, int ``[num_seqs + 1]``, every
             sequence length a multiple of ``2 * CP`` (checked by
             :func:`check_sequence_lengths`).
-        group: CP group (size > 1).
+        group: CP group (size 1: both conversions return their input, as upstream).
         device: device of the tensors to convert.
 
     Raises:
-        LinearCPError: when the route does not place every token exactly once.
+        LinearCPError: cu_seqlens that are not int32/int64, not 1-D, on the meta device, not
+            starting at 0 or decreasing, or (CP > 1) with a sequence length not divisible by
+            ``2 * CP``: raised on every rank alike, before any collective (upstream raises
+            ValueError). Also when the route does not place every token exactly once.
     """
 
     def __init__(self, cu_seqlens_cpu: torch.Tensor, group: dist.ProcessGroup, device):
-        cu = cu_seqlens_cpu.detach().to(device="cpu", dtype=torch.long)
         size, rank = group.size(), group.rank()
+        cu = _route_cu_seqlens(cu_seqlens_cpu, size)
+        self.group = group
+        if size == 1:
+            # As upstream: one rank holds the whole buffer in both layouts.
+            self._to_contiguous = self._to_zigzag = None
+            return
         span = int(cu[-1]) // size  # tokens of one rank's contiguous part
         shards = [_zigzag_tokens(cu, size, r) for r in range(size)]
         lo, hi = rank * span, (rank + 1) * span
@@ -482,7 +522,6 @@ class ThdLayoutRoutes:
             )
         gather_rows = torch.empty_like(received)
         gather_rows[received] = torch.arange(span)
-        self.group = group
         # (rows to send, rows to keep of what is received, input splits, output splits)
         self._to_contiguous = (
             None,
@@ -492,7 +531,9 @@ class ThdLayoutRoutes:
         )
         self._to_zigzag = (host_to_device(received, device), None, from_shards, mine_per_span)
 
-    def _swap(self, x: torch.Tensor, route: tuple) -> torch.Tensor:
+    def _swap(self, x: torch.Tensor, route: Optional[tuple]) -> torch.Tensor:
+        if route is None:
+            return x
         send_rows, keep_rows, input_split_sizes, output_split_sizes = route
         if x.shape[0] != sum(input_split_sizes):
             raise LinearCPError(

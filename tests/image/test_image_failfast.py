@@ -121,6 +121,7 @@ def _failfast_worker(rank, world, _):
             "thd_cu_decreasing": (x_n, psp_of(i32(0, n - 4, n - 8, n))),
             "thd_cu_last_mismatch": (x_n, psp_of(i32(0, n - 4))),
             "thd_cu_q_ne_kv": (x_n, psp_of(i32(0, 4 * world, n), i32(0, n))),
+            "thd_cu_meta": (x_n, psp_of(torch.tensor([0, n], device="meta"))),
             "sbhd_2pow31_elements": (torch.zeros(1, 1, hidden).expand(big, 1, hidden), None),
             "thd_2pow31_elements": (torch.zeros(1, 1, hidden).expand(big, 1, hidden),
                                     psp_of(torch.tensor([0, big * world]))),
@@ -171,7 +172,7 @@ def results(world_fn, P):
 DEGENERATE = [
     "sbhd_zero_tokens", "thd_zero_tokens", "sbhd_tokens_fewer_than_2cp", "thd_cu_float",
     "thd_cu_2d", "thd_cu_not_from_zero", "thd_cu_decreasing", "thd_cu_last_mismatch",
-    "thd_cu_q_ne_kv", "sbhd_2pow31_elements", "thd_2pow31_elements",
+    "thd_cu_q_ne_kv", "thd_cu_meta", "sbhd_2pow31_elements", "thd_2pow31_elements",
 ]
 
 

@@ -9,6 +9,8 @@ so that any misplaced, duplicated or dropped token is visible.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from _image_env import need_tree
@@ -328,3 +330,70 @@ def test_zigzag_tokens_match_upstream_rank_indices_on_random_packs(P):
             got = _zigzag_tokens(cu, P, rank)
             assert torch.equal(got, want), (lens, rank)
             assert bool((got[1:] > got[:-1]).all()), "a zigzag shard is listed in ascending order"
+
+
+class _FakeGroup:
+    """size()/rank() only: ThdLayoutRoutes builds its route without any collective."""
+
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.mark.parametrize("P", (2, 3, 4))
+def test_host_routes_refuse_bad_cu_seqlens_on_every_rank_like_upstream(P):
+    """cu_seqlens that upstream's THD conversion refuses (a length not divisible by 2*CP, not
+    starting at 0, decreasing, not 1-D, not integer, on the meta device) make ThdLayoutRoutes
+    raise LinearCPError on EVERY rank while building the route, naming the cause. A rank that
+    built its route would enter the all-to-all while another refused (a hang), and a route
+    built for [0, 5] at CP=2 silently dropped token 4 on both ranks."""
+    need_tree()
+    import torch
+
+    from megatron.core.context_parallel_layout import get_thd_context_parallel_rank_indices
+    from megatron.core.ssm.gdn_context_parallel import LinearCPError, ThdLayoutRoutes
+
+    u = 2 * P
+    bad = {
+        "not_divisible": ([0, u + 1], "divisible by 2*CP"),
+        "tail_not_divisible": ([0, u, 2 * u + P], "divisible by 2*CP"),
+        "short": ([0, P], "divisible by 2*CP"),
+        "odd_total": ([0, 5], "divisible by 2*CP"),
+        "not_from_0": ([u, 2 * u], "start at 0"),
+        "decreasing": ([0, 2 * u, u, 2 * u], "never decrease"),
+    }
+    for name, (cu, why) in bad.items():
+        cu_t = torch.tensor(cu, dtype=torch.int64)
+        with pytest.raises(ValueError):
+            get_thd_context_parallel_rank_indices(cu_t, P, 0, "zigzag")
+        for rank in range(P):
+            with pytest.raises(LinearCPError, match=re.escape(why)):
+                ThdLayoutRoutes(cu_t, _FakeGroup(P, rank), "cpu")
+    for cu_t, why in (
+        (torch.tensor([[0, u]]), "1-D"),
+        (torch.tensor([0.0, u]), "int32 or int64"),
+        (torch.tensor([0, u], device="meta"), "meta"),
+    ):
+        for rank in range(P):
+            with pytest.raises(LinearCPError, match=re.escape(why)):
+                ThdLayoutRoutes(cu_t, _FakeGroup(P, rank), "cpu")
+
+
+def test_host_routes_on_a_cp1_group_are_the_identity_like_upstream():
+    """At CP=1 upstream's conversion returns its input whatever the lengths (no zigzag split);
+    ThdLayoutRoutes must too, not refuse odd lengths with a route error."""
+    need_tree()
+    import torch
+
+    from megatron.core.ssm.gdn_context_parallel import ThdLayoutRoutes
+
+    for cu in ([0, 5], [0, 3, 8], [0, 0, 7], [0, 6]):
+        x = torch.arange(cu[-1] * 2, dtype=torch.float32).view(cu[-1], 2)
+        routes = ThdLayoutRoutes(torch.tensor(cu, dtype=torch.int32), _FakeGroup(1, 0), "cpu")
+        assert torch.equal(routes.to_contiguous(x), x), cu
+        assert torch.equal(routes.to_zigzag(x), x), cu

@@ -168,10 +168,44 @@ def test_prepare_qkv_policy_refuses_an_undecorated_method(fake_gdn):
     (["--modes", "headwise,chunkwise", "--label", "x"], "exactly one mode"),
     (["--modes", "headwise", "--prepare-qkv", "jit_fuser"], "add --label"),
 ])
-def test_bench_refuses_runs_that_would_replace_others(argv, message):
+def test_bench_refuses_runs_that_would_replace_others(argv, message, capsys):
+    assert message in _bench_refusal(argv, capsys)
+
+
+def _bench_refusal(argv, capsys):
+    """check_label's refusal: exit status 2 and one stderr line (returned)."""
     bench = _load("gdn_layer")
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SystemExit) as exc:
         bench.check_label(bench.parse_args(argv))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, (argv, exc.value.code, err)
+    assert err.startswith("gdn_layer.py: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq", "abc"], "--seq 'abc': give positive token counts"),
+    (["--seq", "512,-8"], "--seq '512,-8': give positive token counts"),
+    (["--seq", "0"], "--seq '0'"),
+    (["--seq", ","], "--seq ','"),
+    (["--cp", "abc"], "--cp 'abc': give positive CP sizes"),
+    (["--cp", "0"], "--cp '0'"),
+    (["--cp", "2,-2"], "--cp '2,-2'"),
+    (["--modes", ","], "--modes is empty"),
+    (["--modes", "headwise,headwise"], "--modes names headwise twice"),
+    (["--repeats", "0"], "--repeats 0: must be at least 1"),
+    (["--warmup", "-1"], "--warmup -1: must be at least 0"),
+    (["--samples", "0"], "--samples 0: must be at least 1"),
+    (["--hidden", "0"], "--hidden 0: must be at least 1"),
+    (["--head-dim", "-1"], "--head-dim -1: must be at least 1"),
+    (["--conv-kernel", "0"], "--conv-kernel 0: must be at least 1"),
+    (["--out", "/"], "--out / is a directory"),
+])
+def test_bench_refuses_bad_arguments_with_exit_2_before_any_work(argv, message, capsys):
+    # hostile20: these passed check_label and died later (int() traceback, ZeroDivisionError on
+    # --cp 0, statistics on --repeats 0, IsADirectoryError after the first timed configuration),
+    # and check_label's own refusals exited 1 (SystemExit with a message), not 2
+    assert message in _bench_refusal(argv, capsys)
 
 
 def test_bench_accepts_a_labelled_policy_run():
@@ -191,12 +225,13 @@ def test_bench_thd_samples_must_split_into_zigzag_chunks(T, P, samples, ok):
             bench.check_samples(T, P, samples)
 
 
-def test_report_refuses_to_mix_sbhd_and_thd(tmp_path, report):
+def test_report_refuses_to_mix_sbhd_and_thd(tmp_path, report, capsys):
     T = 32768
     sbhd = _write(tmp_path / "sbhd.json", [_run("chunkwise", T, 20.0, 900)])  # no "samples": SBHD
     thd = _write(tmp_path / "thd.json", [{**_run("headwise", T, 19.0, 900), "samples": 8}])
-    with pytest.raises(SystemExit, match="mix layouts"):
+    with pytest.raises(SystemExit) as exc:
         report.main([sbhd, thd, "--outdir", str(tmp_path), "--no-plots"])
+    assert exc.value.code == 2 and "mix layouts" in capsys.readouterr().err
     assert report.main([thd, "--outdir", str(tmp_path), "--no-plots"])["samples"] == 8
 
 
@@ -370,13 +405,12 @@ def test_profile_refuses_events_without_the_backward_range(attr):
         attr.attribute(ev + [_ev(attr, "l2norm_fwd_kernel", "kernel", 1.0, 2.0)])
 
 
-def test_bench_checks_modes_and_profile_length():
+def test_bench_checks_modes_and_profile_length(capsys):
     bench = _load("gdn_layer")
-    with pytest.raises(SystemExit, match="unknown mode.*nosuch.*pick from headwise, all_gather, chunkwise, "
-                                         "chunkwise_upstream_layout, ideal"):
-        bench.check_label(bench.parse_args(["--modes", "headwise,nosuch"]))
-    with pytest.raises(SystemExit, match="--profile 1234 profiles a length of --seq"):
-        bench.check_label(bench.parse_args(["--modes", "chunkwise", "--seq", "32768", "--profile", "1234"]))
+    assert ("unknown mode(s) nosuch in --modes; pick from headwise, all_gather, chunkwise, "
+            "chunkwise_upstream_layout, ideal") in _bench_refusal(["--modes", "headwise,nosuch"], capsys)
+    assert "--profile 1234 profiles a length of --seq" in _bench_refusal(
+        ["--modes", "chunkwise", "--seq", "32768", "--profile", "1234"], capsys)
     bench.check_label(bench.parse_args(["--modes", "chunkwise,chunkwise_upstream_layout", "--seq", "32768",
                                         "--profile", "32768"]))
 
@@ -448,3 +482,72 @@ def test_report_profile_table_without_headwise_has_no_difference(tmp_path, repor
     md = (tmp_path / "gdn_layer_profile.md").read_text()
     assert "| row | chunkwise | chunkwise_upstream_layout |" in md and "chunkwise - headwise |" not in md
     assert "THD 4 samples" in md
+
+
+def test_report_profile_with_an_unattributed_or_missing_rank_reports_it(tmp_path, report):
+    # hostile20: bench/gdn_layer.py stores {"error": ..., "total": {}} for a rank whose step could
+    # not be attributed (and a world may lose a rank's record); report.py died with KeyError
+    # 'category_ms' (or IndexError on an empty rank list) instead of writing the tables
+    T, gemm = 32768, "gemm (in_proj, out_proj)"
+    good = _rank_profile(0, 20.0, 18.0, 0, {gemm: 8.0}, 1.0, {"in_proj": 4.0}, {})
+    doc = {"meta": {}, "runs": [_run("headwise", T, 21.0, 900), _run("chunkwise", T, 16.0, 900)], "errors": [],
+           "profiles": [
+               {"cp": 2, "mode": "headwise", "T": T, "samples": 1, "median_ms": 21.0,
+                "ranks": [dict(good), {"rank": 1, "error": "no gdn::backward range among 3 events", "total": {}}]},
+               {"cp": 2, "mode": "chunkwise", "T": T, "samples": 1, "median_ms": 16.0,
+                "ranks": [{"rank": 0, "error": "boom", "total": {}}, dict(good, rank=1)]},
+               {"cp": 2, "mode": "chunkwise_upstream_layout", "T": T, "samples": 1, "median_ms": 17.0,
+                "ranks": []}]}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(doc))
+    s = report.main([str(f), "--outdir", str(tmp_path), "--no-plots"])
+    md = (tmp_path / "gdn_layer_profile.md").read_text()
+    assert "| profiled step wall ms | 20.000 | n/a [max 20.000] | n/a |" in md
+    assert "| gemm (in_proj, out_proj) | 8.000 | n/a [max 8.000] | n/a |" in md
+    assert "not attributed: headwise rank 1 (no gdn::backward range among 3 events); chunkwise rank 0 " \
+           "(boom); chunkwise_upstream_layout: no rank recorded" in md
+    assert s["profiles"][0]["not_attributed"] == {
+        "headwise": ["rank 1 (no gdn::backward range among 3 events)"], "chunkwise": ["rank 0 (boom)"],
+        "chunkwise_upstream_layout": ["no rank recorded"]}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "is not JSON"), ("{\"runs\": [", "is not JSON"), ("[1, 2]", "is not a bench/gdn_layer.py result"),
+    ("{\"runs\": {}}", "is not a bench/gdn_layer.py result"), (None, "cannot read")])
+def test_report_refuses_unreadable_inputs_with_exit_2(tmp_path, report, capsys, text, message):
+    # hostile20: an empty, truncated or foreign input file ended in a JSON traceback (exit 1)
+    f = tmp_path / "in.json"
+    if text is not None:
+        f.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        report.main([str(f), "--outdir", str(tmp_path), "--no-plots"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "gdn_layer_summary.json").exists()
+
+
+@pytest.mark.parametrize("trace", [
+    [], None, {"traceEvents": None}, {"traceEvents": {}},
+    {"traceEvents": [{"ph": "X", "ts": None, "dur": 1.0, "cat": "kernel", "name": "k"}]},
+    {"traceEvents": [{"ph": "X", "ts": "inf", "dur": 1.0, "cat": "kernel", "name": "k"}]},
+    {"traceEvents": [{"ph": "X", "ts": 1.0, "dur": [], "cat": "kernel", "name": "k"}]},
+    {"traceEvents": [{"ph": "X", "ts": 1.0, "dur": 1.0, "cat": "kernel", "name": "k", "args": [1]}]},
+    {"traceEvents": [{"ph": "X", "ts": 1.0, "dur": 1.0, "cat": "kernel", "name": "k",
+                      "args": {"External id": "x1"}}]},
+    {"traceEvents": ["not an event"]},
+])
+def test_profile_trace_parser_raises_value_error_on_malformed_traces(attr, trace):
+    # hostile20: a list, null or mistyped field raised AttributeError/TypeError/OverflowError;
+    # bench/gdn_layer.py catches ValueError only there, so one rank would leave the profile's
+    # all_gather_object and the other ranks would wait for it
+    with pytest.raises(ValueError, match="Chrome trace"):
+        attr.events_from_chrome_trace(trace)
+
+
+def test_thd_route_bench_refuses_a_tree_without_the_routes(tmp_path, capsys):
+    # hostile20: --tree without megatron/core/ssm/gdn_context_parallel.py died in an import
+    # traceback (exit 1), or timed whichever megatron PYTHONPATH held
+    with pytest.raises(SystemExit) as exc:
+        _load("thd_route").main(["--tree", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "holds no megatron/core/ssm/gdn_context_parallel.py" in err, err
