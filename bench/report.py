@@ -365,19 +365,6 @@ def _write_markdown(path, rows, runs=None, sources=()):
     if sources:
         lines += ["", "Inputs, in merge order (a later file's run replaces an earlier one of the same CP, mode "
                   "and T): " + ", ".join(f"`{f}`" for f in sources)]
-    if runs:
-        lines += ["", "Runs (median / min / p90 ms, max over ranks; peak allocated MiB; host syncs per step):", "",
-                  "| CP | mode | T | median | min | p90 | peak alloc | host syncs |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for (P, mode, T), r in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2])):
-            cells = [("n/a" if r.get(k) is None else f"{r[k]:.{d}f}")
-                     for k, d in (("median_ms", 2), ("min_ms", 2), ("p90_ms", 2), ("peak_alloc_mib", 0))]
-            syncs = r.get("host_syncs_per_step")
-            lines.append(f"| {P} | {mode} | {T // 1024}K | " + " | ".join(cells)
-                         + f" | {'n/a' if syncs is None else syncs} |")
-    if sources:
-        lines += ["", "Inputs, in merge order (a later file's run replaces an earlier one of the same CP, mode "
-                  "and T): " + ", ".join(f"`{f}`" for f in sources)]
     text = "\n".join(lines) + "\n"
     with open(path, "w") as f:
         f.write(text)

@@ -98,6 +98,7 @@ def test_report_split_table_needs_a_split_run_and_names_unknown_labels(tmp_path,
     # every merged run is listed with its figures, a missing one as n/a, and the inputs in order
     assert "| 2 | chunkwise | 64K | 90.00 | 90.00 | 90.00 | n/a | n/a |" in text
     assert "Inputs, in merge order" in text and f"`{f}`" in text
+    assert text.count("Runs (median") == 1 and text.count("Inputs, in merge order") == 1
     assert s["not_reported_modes"] == ["headwise_eager_v2"]
     assert "headwise_eager_v2" in capsys.readouterr().err
 
