@@ -108,3 +108,17 @@ def run_world(
             torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
             for r in range(world_size)
         ]
+
+
+class FakeGroup:
+    """A process group of ``size`` ranks seen from ``rank``, with only ``size()`` and
+    ``rank()``: for code that reads the group's shape without running a collective."""
+
+    def __init__(self, size, rank=0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank

@@ -12,6 +12,8 @@ import warnings
 
 import pytest
 
+from _world import FakeGroup
+
 from _image_env import need_tree
 
 VALID = ("headwise", "chunkwise", "all_gather")
@@ -199,17 +201,6 @@ def test_prepare_qkv_matches_the_op_by_op_helper_in_value_and_gradient(k_heads, 
         assert torch.allclose(a, b, rtol=0, atol=1e-6)
 
 
-class _FakeGroup:
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
-
-
 class _RecordingParam:
     """Stands in for a parameter; records the index object it is sliced with."""
 
@@ -236,11 +227,11 @@ def test_get_parameter_local_cp_indexes_with_a_tuple():
     from megatron.core.ssm.gated_delta_net import get_parameter_local_cp
 
     p = _RecordingParam((8, 3))
-    get_parameter_local_cp(p, dim=0, cp_group=_FakeGroup(2, 1))
+    get_parameter_local_cp(p, dim=0, cp_group=FakeGroup(2, 1))
     assert p.keys and all(isinstance(k, tuple) for k in p.keys), p.keys
     assert p.keys[0] == (slice(4, 8), slice(None))
     t = torch.arange(24.0).reshape(8, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        part = get_parameter_local_cp(t, dim=0, cp_group=_FakeGroup(4, 2))
+        part = get_parameter_local_cp(t, dim=0, cp_group=FakeGroup(4, 2))
     assert torch.equal(part, t[4:6])

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from _world import FakeGroup
+
 from _image_env import need_fla, need_tree
 
 _TP_GROUP = []  # this rank's size-1 tensor-parallel group, created once per worker
@@ -256,30 +258,20 @@ def test_init_error_messages_name_the_modes(gloo_world):
     assert "chunkwise" in msg and "all_gather" in msg
 
 
-class _FakeGroup:
-    """Stands in for a dynamic CP group: plan_linear_cp only asks for its size."""
-
-    def __init__(self, size):
-        self._size = size
-
-    def size(self):
-        return self._size
-
-
 def test_headwise_dynamic_group_that_cannot_split_heads_fails_fast():
     """A dynamic CP group larger than the static one must still split the heads (headwise)."""
     import pytest as _pytest
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.ssm import gdn_context_parallel as g
 
-    psp = PackedSeqParams(qkv_format="thd", cp_group=_FakeGroup(4), local_cp_size=4)
+    psp = PackedSeqParams(qkv_format="thd", cp_group=FakeGroup(4), local_cp_size=4)
     kwargs = dict(packed_seq_params=psp, local_seq_len=8, batch=1, sp_size=1,
                   deterministic_mode=False, has_inference_context=False,
                   num_key_heads=2, num_value_heads=6, tp_size=1)
     with _pytest.raises(g.LinearCPError, match="chunkwise"):
-        g.plan_linear_cp("headwise", _FakeGroup(2), **kwargs)
+        g.plan_linear_cp("headwise", FakeGroup(2), **kwargs)
     # the same dynamic group is fine for the modes that keep all heads on each rank
-    assert g.plan_linear_cp("chunkwise", _FakeGroup(2), **kwargs).size == 4
+    assert g.plan_linear_cp("chunkwise", FakeGroup(2), **kwargs).size == 4
 
 
 @pytest.mark.parametrize("dtype", ["int32", "int64"])

@@ -13,6 +13,8 @@ import re
 
 import pytest
 
+from _world import FakeGroup
+
 from _image_env import need_tree
 from cp_layout_ref import contiguous_rank_indices, seq_lens_from_cu, zigzag_rank_indices
 
@@ -332,19 +334,6 @@ def test_zigzag_tokens_match_upstream_rank_indices_on_random_packs(P):
             assert bool((got[1:] > got[:-1]).all()), "a zigzag shard is listed in ascending order"
 
 
-class _FakeGroup:
-    """size()/rank() only: ThdLayoutRoutes builds its route without any collective."""
-
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
-
-
 @pytest.mark.parametrize("P", (2, 3, 4))
 def test_host_routes_refuse_bad_cu_seqlens_on_every_rank_like_upstream(P):
     """cu_seqlens that upstream's THD conversion refuses (a length not divisible by 2*CP, not
@@ -373,7 +362,7 @@ def test_host_routes_refuse_bad_cu_seqlens_on_every_rank_like_upstream(P):
             get_thd_context_parallel_rank_indices(cu_t, P, 0, "zigzag")
         for rank in range(P):
             with pytest.raises(LinearCPError, match=re.escape(why)):
-                ThdLayoutRoutes(cu_t, _FakeGroup(P, rank), "cpu")
+                ThdLayoutRoutes(cu_t, FakeGroup(P, rank), "cpu")
     for cu_t, why in (
         (torch.tensor([[0, u]]), "1-D"),
         (torch.tensor([0.0, u]), "int32 or int64"),
@@ -381,7 +370,7 @@ def test_host_routes_refuse_bad_cu_seqlens_on_every_rank_like_upstream(P):
     ):
         for rank in range(P):
             with pytest.raises(LinearCPError, match=re.escape(why)):
-                ThdLayoutRoutes(cu_t, _FakeGroup(P, rank), "cpu")
+                ThdLayoutRoutes(cu_t, FakeGroup(P, rank), "cpu")
 
 
 def test_host_routes_on_a_cp1_group_are_the_identity_like_upstream():
@@ -394,6 +383,6 @@ def test_host_routes_on_a_cp1_group_are_the_identity_like_upstream():
 
     for cu in ([0, 5], [0, 3, 8], [0, 0, 7], [0, 6]):
         x = torch.arange(cu[-1] * 2, dtype=torch.float32).view(cu[-1], 2)
-        routes = ThdLayoutRoutes(torch.tensor(cu, dtype=torch.int32), _FakeGroup(1, 0), "cpu")
+        routes = ThdLayoutRoutes(torch.tensor(cu, dtype=torch.int32), FakeGroup(1, 0), "cpu")
         assert torch.equal(routes.to_contiguous(x), x), cu
         assert torch.equal(routes.to_zigzag(x), x), cu
