@@ -12,9 +12,8 @@ import warnings
 
 import pytest
 
-from _world import FakeGroup
-
 from _image_env import need_tree
+from _world import FakeGroup
 
 VALID = ("headwise", "chunkwise", "all_gather")
 

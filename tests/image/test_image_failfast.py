@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from _world import FakeGroup
-
 from _image_env import need_fla, need_tree
+from _world import FakeGroup
 
 _TP_GROUP = []  # this rank's size-1 tensor-parallel group, created once per worker
 

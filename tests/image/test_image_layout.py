@@ -13,9 +13,8 @@ import re
 
 import pytest
 
-from _world import FakeGroup
-
 from _image_env import need_tree
+from _world import FakeGroup
 from cp_layout_ref import contiguous_rank_indices, seq_lens_from_cu, zigzag_rank_indices
 
 CP_SIZES = (1, 2, 4, 8)
