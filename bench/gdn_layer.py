@@ -360,7 +360,7 @@ class _UpstreamLayoutSP(int):
     __hash__ = int.__hash__
 
 
-def _wrapped_in_ranges(torch, layer):
+def _wrapped_in_ranges(layer):
     """Rebind the functions above to ``record_function("gdn::<name>")`` wrappers; returns the
     undo callable."""
     import megatron.core.ssm.gated_delta_net as gdn
@@ -411,7 +411,7 @@ def profile_step(args, torch, dist, layer, local_len, dtype, psp=None, trace_out
     x = torch.randn(local_len, 1, args.hidden, device=d, dtype=dtype, requires_grad=True)
     gy = torch.randn(local_len, 1, args.hidden, device=d, dtype=dtype)
     sync = (lambda: None) if args.cpu_smoke else torch.cuda.synchronize
-    restore = _wrapped_in_ranges(torch, layer)
+    restore = _wrapped_in_ranges(layer)
     try:
         for _ in range(2):
             out, _ = layer(x, None, packed_seq_params=psp)

@@ -29,7 +29,6 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron.core.context_parallel_layout import get_thd_context_parallel_rank_indices
 from megatron.core.packed_seq_params import resolve_cp_group
 from megatron.core.tensor_parallel import all_to_all
 
@@ -199,6 +198,18 @@ def plan_linear_cp(
     return plan
 
 
+def _check_zigzag_lengths(what: str, lengths: Sequence[int], cp_size: int) -> None:
+    # One check for every caller that splits sequences into 2*CP zigzag chunks.
+    divisor = 2 * cp_size
+    bad = [n for n in lengths if n % divisor] if cp_size > 1 else []
+    if bad:
+        raise LinearCPError(
+            f"{what} with CP={cp_size} needs every sequence length divisible by "
+            f"2*CP={divisor} (the zigzag split); got {bad[:8]}. Pad each sequence to a multiple "
+            f"of {divisor} (SBHD: the sequence; THD: cu_seqlens_q_padded) or change CP."
+        )
+
+
 def check_sequence_lengths(
     plan: LinearCPPlan, cu_seqlens: Optional[torch.Tensor], conv_kernel_size: int = 1
 ) -> None:
@@ -226,19 +237,11 @@ def check_sequence_lengths(
     """
     if plan.size == 1:
         return
-    divisor = 2 * plan.size
     if cu_seqlens is None:
         lengths: Sequence[int] = [plan.global_seq_len]
     else:
         lengths = torch.diff(cu_seqlens.detach().to("cpu", torch.long)).tolist()
-    bad = [n for n in lengths if n % divisor]
-    if bad:
-        raise LinearCPError(
-            f"linear_cp_mode={plan.mode!r} with CP={plan.size} needs every sequence length "
-            f"divisible by 2*CP={divisor} (the zigzag split); got {bad[:8]}. Pad each "
-            f"sequence to a multiple of {divisor} (SBHD: the sequence; THD: "
-            "cu_seqlens_q_padded) or change CP."
-        )
+    _check_zigzag_lengths(f"linear_cp_mode={plan.mode!r}", lengths, plan.size)
     share = sum(lengths) // plan.size
     if plan.chunkwise and share < conv_kernel_size - 1:
         raise LinearCPError(
@@ -255,7 +258,11 @@ CU_SEQLENS_DTYPES = (torch.int32, torch.int64)
 KERNEL_MAX_ELEMENTS = 2**31
 
 
-def _host_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+def _host_cu_seqlens(
+    name: str, cu_seqlens: torch.Tensor, total_tokens: Optional[int] = None
+) -> torch.Tensor:
+    # The checked host copy of global cumulative lengths, in their dtype; ``name`` is how the
+    # messages call them. ``total_tokens``: the length of the packed buffer, when known.
     if not isinstance(cu_seqlens, torch.Tensor):
         raise LinearCPError(
             f"PackedSeqParams.{name} must be a tensor, got {type(cu_seqlens).__name__}. "
@@ -287,7 +294,7 @@ def _host_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total_tokens: int) -> 
             f"{host.tolist()[:16]}. Pass cumulative lengths (torch.cumsum of the lengths, "
             "with a leading 0)."
         )
-    if last != total_tokens:
+    if total_tokens is not None and last != total_tokens:
         raise LinearCPError(
             f"PackedSeqParams.{name}[-1]={last} but the micro-batch holds {total_tokens} tokens "
             "(local tokens x SP x CP). cu_seqlens must be global (before the CP split) and "
@@ -407,23 +414,12 @@ def host_to_device(tensor: torch.Tensor, device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def _rank_order(cu_seqlens: Optional[torch.Tensor], seq_len: int, cp_size: int, device) -> list:
-    # Index arithmetic on the host (no device sync when cu_seqlens is a host copy), then one
-    # host->device copy per rank's indices.
-    if cu_seqlens is None:
-        cu = torch.tensor([0, seq_len], dtype=torch.long)
-    else:
-        cu = cu_seqlens.detach().to(device="cpu", dtype=torch.long)
-    return [
-        host_to_device(get_thd_context_parallel_rank_indices(cu, cp_size, r, "zigzag"), device)
-        for r in range(cp_size)
-    ]
-
-
 def _zigzag_tokens(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     # Global token indices of one rank's zigzag shard, in its local order: per sequence, chunk
     # cp_rank then chunk 2*cp_size-1-cp_rank of the sequence's 2*cp_size equal chunks. That
     # order is ascending, which ThdLayoutRoutes relies on. Host tensors, O(tokens), no sort.
+    if cp_size == 1:
+        return torch.arange(int(cu_seqlens[-1]))
     starts = cu_seqlens[:-1]
     chunk = (cu_seqlens[1:] - starts) // (2 * cp_size)
     run_starts = torch.stack(
@@ -439,27 +435,16 @@ def _route_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
     # The checks depend only on the global cu_seqlens, so every rank refuses alike (a rank
     # that built its route would otherwise wait in the all-to-all for one that refused), and
     # a length not divisible by 2*CP cannot silently drop its tail tokens from the route.
-    if cu_seqlens.dtype not in CU_SEQLENS_DTYPES or cu_seqlens.dim() != 1 or cu_seqlens.is_meta:
-        raise LinearCPError(
-            "THD layout routes need cu_seqlens as a 1-D int32 or int64 host tensor with values, "
-            f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)} on "
-            f"{cu_seqlens.device}. Pass the host copy that packed_cu_seqlens returns."
-        )
-    cu = cu_seqlens.detach().to(device="cpu", dtype=torch.long)
-    lengths = torch.diff(cu)
-    if cu.numel() == 0 or int(cu[0]) != 0 or bool((lengths < 0).any()):
-        raise LinearCPError(
-            f"THD cu_seqlens must start at 0 and never decrease, got {cu.tolist()[:16]}. Pass "
-            "the global cumulative lengths with a leading 0."
-        )
-    bad = lengths[lengths % (2 * cp_size) != 0] if cp_size > 1 else lengths[:0]
-    if bad.numel():
-        raise LinearCPError(
-            f"THD zigzag <-> contiguous conversion with CP={cp_size} needs every sequence "
-            f"length divisible by 2*CP={2 * cp_size}; got {bad.tolist()[:8]}. Pad each "
-            "sequence (cu_seqlens_q_padded) to a multiple of 2*CP."
-        )
+    cu = _host_cu_seqlens("cu_seqlens", cu_seqlens).to(torch.long)
+    _check_zigzag_lengths("The THD zigzag <-> contiguous layout", torch.diff(cu).tolist(), cp_size)
     return cu
+
+
+def _zigzag_cu_seqlens(cu_seqlens: Optional[torch.Tensor], seq_len: int, cp_size: int):
+    # Checked host int64 cumulative lengths of the zigzag layout; SBHD (None) is one sequence.
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, seq_len], dtype=torch.long)
+    return _route_cu_seqlens(cu_seqlens, cp_size)
 
 
 class ThdLayoutRoutes:
@@ -598,9 +583,11 @@ def gather_zigzag_sequence(
         ``[s_local * CP, ...]`` on ``seq_dim``, natural order, same dtype. Differentiable.
     """
     cp_size = group.size()
-    order = _rank_order(cu_seqlens, x.shape[seq_dim] * cp_size, cp_size, x.device)
-    natural_index = torch.argsort(torch.cat(order))
-    return _GatherZigzag.apply(x, group, seq_dim, natural_index)
+    cu = _zigzag_cu_seqlens(cu_seqlens, x.shape[seq_dim] * cp_size, cp_size)
+    order = torch.cat([_zigzag_tokens(cu, cp_size, r) for r in range(cp_size)])
+    natural_index = torch.empty_like(order)
+    natural_index[order] = torch.arange(order.numel())
+    return _GatherZigzag.apply(x, group, seq_dim, host_to_device(natural_index, x.device))
 
 
 def scatter_zigzag_sequence(
@@ -620,5 +607,7 @@ def scatter_zigzag_sequence(
     Returns:
         ``[s_global / CP, ...]``, zigzag order, same dtype. Differentiable (no collective).
     """
-    order = _rank_order(cu_seqlens, x_full.shape[seq_dim], group.size(), x_full.device)
-    return x_full.index_select(seq_dim, order[group.rank()])
+    cp_size = group.size()
+    cu = _zigzag_cu_seqlens(cu_seqlens, x_full.shape[seq_dim], cp_size)
+    order = _zigzag_tokens(cu, cp_size, group.rank())
+    return x_full.index_select(seq_dim, host_to_device(order, x_full.device))

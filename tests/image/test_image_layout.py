@@ -372,6 +372,43 @@ def test_host_routes_refuse_bad_cu_seqlens_on_every_rank_like_upstream(P):
                 ThdLayoutRoutes(cu_t, FakeGroup(P, rank), "cpu")
 
 
+@pytest.mark.parametrize("P", (2, 3, 4))
+def test_all_gather_primitives_refuse_bad_cu_seqlens_before_any_collective(P):
+    """gather_zigzag_sequence / scatter_zigzag_sequence (all_gather mode) build their token
+    order with the same host route and checks as ThdLayoutRoutes: cu_seqlens with a length not
+    divisible by 2*CP, not starting at 0 or decreasing raise LinearCPError naming the cause on
+    every rank, before the gather's collective (a FakeGroup has none, so reaching it fails
+    differently), where a silent route would drop or duplicate tail tokens."""
+    need_tree()
+    import torch
+
+    from megatron.core.ssm.gdn_context_parallel import (
+        LinearCPError,
+        gather_zigzag_sequence,
+        scatter_zigzag_sequence,
+    )
+
+    u = 2 * P
+    for cu, why in (
+        ([0, u + 1], "divisible by 2*CP"),
+        ([0, u, 2 * u + P], "divisible by 2*CP"),
+        ([u, 2 * u], "start at 0"),
+        ([0, 2 * u, u, 2 * u], "never decrease"),
+    ):
+        cu_t = torch.tensor(cu, dtype=torch.int64)
+        total = max(cu)
+        for rank in range(P):
+            group = FakeGroup(P, rank)
+            with pytest.raises(LinearCPError, match=re.escape(why)):
+                gather_zigzag_sequence(torch.zeros(total // P, 3), group, cu_seqlens=cu_t)
+            with pytest.raises(LinearCPError, match=re.escape(why)):
+                scatter_zigzag_sequence(torch.zeros(total, 3), group, cu_seqlens=cu_t)
+    # SBHD: one sequence whose global length does not split into 2*CP chunks
+    for rank in range(P):
+        with pytest.raises(LinearCPError, match=re.escape("divisible by 2*CP")):
+            scatter_zigzag_sequence(torch.zeros(u + P, 2, 3), FakeGroup(P, rank))
+
+
 def test_host_routes_on_a_cp1_group_are_the_identity_like_upstream():
     """At CP=1 upstream's conversion returns its input whatever the lengths (no zigzag split);
     ThdLayoutRoutes must too, not refuse odd lengths with a route error."""
