@@ -106,3 +106,47 @@ def test_compare_gate_is_strict_and_upstream_rule_is_reported(case, passed, upst
         assert rec["cosine"] >= 0.9999 and rec["nrms"] > rel_l2_max
     if case == "non_finite_where_ref_is_zero":
         assert rec["finite"] is False
+
+
+def _dk_halved(q, k, v, g, beta, **kw):
+    """The scan of fla_emulation with dk halved in the backward: the kind of fault
+    fla-org/flash-linear-attention#640 reports (wrong dk, forward right)."""
+    import torch
+
+    import fla_emulation as E
+
+    class HalveGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 0.5
+
+    return E.chunk_gated_delta_rule(q, HalveGrad.apply(k), v, g, beta, **kw)
+
+
+@pytest.mark.parametrize("kernel", ["faithful", "dk_halved"])
+@pytest.mark.parametrize("gating", ["gate", "probe"])
+def test_scan_oracle_check_catches_a_wrong_gradient_the_forward_hides(kernel, gating):
+    """kernel_oracle (GPU job ``oracle``): every case (bf16 and float32, single and packed,
+    K = V = 128) passes with the faithful stand-in; with dk halved only in the backward
+    every gated case fails on dk (and on nothing the fault does not touch: out, dv); as a
+    probe (the old tree's FLA) the records pass but say they did not match."""
+    need_torch()
+    import fla_emulation as E
+    import kernel_oracle as KO
+
+    rule = E.chunk_gated_delta_rule if kernel == "faithful" else _dk_halved
+    records = KO.run_oracle(0, 1, "cpu", chunk_gated_delta_rule=rule, gating=gating)
+    assert [r["id"] for r in records] == KO.case_ids()
+    assert all(set(r["checks"]) == {"out", "dq", "dk", "dv", "dg", "dbeta"} for r in records)
+    for r in records:
+        assert r["error"] is None, r["error"]
+        assert r["passed"] == (gating == "probe" or kernel == "faithful"), r["id"]
+        assert r["checks"]["out"]["passed"] and r["checks"]["dv"]["passed"], r["id"]
+        assert r["matched"] == (kernel == "faithful"), r["id"]
+        assert r["checks"]["dk"]["passed"] == (kernel == "faithful"), r["id"]
+        if gating == "probe":
+            assert ("did NOT match" in r["note"]) == (kernel != "faithful"), r["note"]

@@ -6,6 +6,7 @@
     python tests/image/gpu/entry.py oldnew-compare --dump-dir D --out O.json
 
     torchrun ... entry.py extra --select '^tp2cp2/' --out E.json   # tests/image/gpu/module_extra.py
+    torchrun ... entry.py oracle [--label old] --out R.json   # tests/image/kernel_oracle.py
 
 Megatron comes from the tree first on ``PYTHONPATH`` (the job records which). Ranks share
 the host's GPUs round-robin; NCCL when each rank has its own GPU, gloo (with the FLA 0.4.2
@@ -142,10 +143,12 @@ def _emulated_kernels():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="GDN CP GPU suite job")
-    ap.add_argument("job", choices=["kernels", "module", "extra", "oldnew-dump", "oldnew-compare"])
+    ap.add_argument("job", choices=["kernels", "module", "extra", "oracle", "oldnew-dump",
+                                    "oldnew-compare"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--select", default=None, help="regex on record ids")
-    ap.add_argument("--label", choices=["old", "new"])
+    ap.add_argument("--label", choices=["old", "new"],
+                    help="oldnew-dump: which tree; oracle: old = the base tree's FLA 0.4.1, probe only")
     ap.add_argument("--dump-dir")
     ap.add_argument("--emulate", action="store_true")
     ap.add_argument("--no-warmup", action="store_true")
@@ -178,8 +181,7 @@ def main(argv=None):
 
     policy = "n/a (emulated)" if args.emulate else install()
     # FLA 0.4.1 (the base tree's old-vs-new dump) has no fla.ops.cp: no shim to install.
-    rank, world, device, placed = _init(args.emulate,
-                                        want_fla_shim=not (args.job == "oldnew-dump" and args.label == "old"))
+    rank, world, device, placed = _init(args.emulate, want_fla_shim=args.label != "old")
     info = {**_env_info(), **placed}
     select = (lambda rid: re.search(args.select, rid) is not None) if args.select else None
     log = lambda s: print(f"{time.time() - t0:7.1f}s {s}", flush=True)  # noqa: E731
@@ -219,6 +221,14 @@ def main(argv=None):
 
         module_extra.run_extra(rank, world, device, emulate=args.emulate, select=select,
                                log=log if rank == 0 else (lambda s: None), records=records)
+    elif args.job == "oracle":
+        import kernel_oracle
+
+        kernels = _emulated_kernels() if args.emulate else None
+        records.extend(kernel_oracle.run_oracle(
+            rank, world, device,
+            chunk_gated_delta_rule=kernels.chunk_gated_delta_rule if kernels else None,
+            gating="probe" if args.label == "old" else "gate", select=select, log=log))
     elif args.job == "oldnew-dump":
         import oldnew
 

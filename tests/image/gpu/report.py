@@ -23,8 +23,8 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-JOBS = ("kernels", "kernels-edge", "module-a", "module-b", "module-c", "module-d", "module-e",
-        "module-f", "empty-segments", "oldnew")
+JOBS = ("kernels", "kernels-edge", "oracle", "oracle-old", "module-a", "module-b", "module-c",
+        "module-d", "module-e", "module-f", "empty-segments", "oldnew")
 FIGURES = ("max_abs_err", "worst_bound_ratio", "nrms")
 
 
