@@ -180,7 +180,7 @@ def main(argv=None):
     from autotune_policy import install
 
     policy = "n/a (emulated)" if args.emulate else install()
-    # FLA 0.4.1 (the base tree's old-vs-new dump) has no fla.ops.cp: no shim to install.
+    # FLA 0.4.1 (the base tree: old-vs-new dump, oracle probe) has no fla.ops.cp: no shim to install.
     rank, world, device, placed = _init(args.emulate, want_fla_shim=args.label != "old")
     info = {**_env_info(), **placed}
     select = (lambda rid: re.search(args.select, rid) is not None) if args.select else None
