@@ -431,11 +431,13 @@ def _zigzag_tokens(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torc
     return torch.repeat_interleave(run_starts - run_offsets, run_lens) + torch.arange(tokens)
 
 
-def _route_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
+def _route_cu_seqlens(
+    cu_seqlens: torch.Tensor, cp_size: int, total_tokens: Optional[int] = None
+) -> torch.Tensor:
     # The checks depend only on the global cu_seqlens, so every rank refuses alike (a rank
     # that built its route would otherwise wait in the all-to-all for one that refused), and
     # a length not divisible by 2*CP cannot silently drop its tail tokens from the route.
-    cu = _host_cu_seqlens("cu_seqlens", cu_seqlens).to(torch.long)
+    cu = _host_cu_seqlens("cu_seqlens", cu_seqlens, total_tokens).to(torch.long)
     _check_zigzag_lengths("The THD zigzag <-> contiguous layout", torch.diff(cu).tolist(), cp_size)
     return cu
 
@@ -444,7 +446,7 @@ def _zigzag_cu_seqlens(cu_seqlens: Optional[torch.Tensor], seq_len: int, cp_size
     # Checked host int64 cumulative lengths of the zigzag layout; SBHD (None) is one sequence.
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, seq_len], dtype=torch.long)
-    return _route_cu_seqlens(cu_seqlens, cp_size)
+    return _route_cu_seqlens(cu_seqlens, cp_size, total_tokens=seq_len)
 
 
 class ThdLayoutRoutes:

@@ -396,13 +396,22 @@ def test_all_gather_primitives_refuse_bad_cu_seqlens_before_any_collective(P):
         ([0, 2 * u, u, 2 * u], "never decrease"),
     ):
         cu_t = torch.tensor(cu, dtype=torch.int64)
-        total = max(cu)
+        total = cu[-1]  # the buffer cu_seqlens describe, so only the named cause is wrong
         for rank in range(P):
             group = FakeGroup(P, rank)
-            with pytest.raises(LinearCPError, match=re.escape(why)):
-                gather_zigzag_sequence(torch.zeros(total // P, 3), group, cu_seqlens=cu_t)
+            if total % P == 0:
+                with pytest.raises(LinearCPError, match=re.escape(why)):
+                    gather_zigzag_sequence(torch.zeros(total // P, 3), group, cu_seqlens=cu_t)
             with pytest.raises(LinearCPError, match=re.escape(why)):
                 scatter_zigzag_sequence(torch.zeros(total, 3), group, cu_seqlens=cu_t)
+    # cu_seqlens whose total is not the gathered / scattered length: refused, never a route
+    # that drops or repeats tokens
+    for rank in range(P):
+        cu_t = torch.tensor([0, 2 * u], dtype=torch.int64)
+        with pytest.raises(LinearCPError, match=re.escape("micro-batch holds")):
+            gather_zigzag_sequence(torch.zeros(4 * u // P, 3), FakeGroup(P, rank), cu_seqlens=cu_t)
+        with pytest.raises(LinearCPError, match=re.escape("micro-batch holds")):
+            scatter_zigzag_sequence(torch.zeros(4 * u, 3), FakeGroup(P, rank), cu_seqlens=cu_t)
     # SBHD: one sequence whose global length does not split into 2*CP chunks
     for rank in range(P):
         with pytest.raises(LinearCPError, match=re.escape("divisible by 2*CP")):
