@@ -144,6 +144,19 @@ def _strip(name: str, prefix: str, carry: Path) -> Optional[str]:
     return name[len(prefix):]
 
 
+def _whole_side_empty(pfile, side: str) -> bool:
+    """True when ``pfile`` is one hunk whose ``side`` ("source" or "target") is ``-0,0``/``+0,0``.
+
+    That is how ``diff -ruN`` writes a created (source empty) or deleted (target empty) file: it
+    names the missing side with its real path and an epoch date instead of ``/dev/null``. GNU
+    ``patch -p1`` and ``git apply`` both read it as a creation or deletion.
+    """
+    if len(pfile) != 1 or any(line.startswith("diff --git ") for line in pfile.patch_info or ()):
+        return False  # git marks creations and deletions itself; -0,0 there is an empty file
+    hunk = pfile[0]
+    return getattr(hunk, f"{side}_start") == 0 and getattr(hunk, f"{side}_length") == 0
+
+
 def load_carry(path: Path) -> Carry:
     """Parse ``path`` and refuse what the tool does not apply exactly as ``git apply``.
 
@@ -177,7 +190,9 @@ def load_carry(path: Path) -> Carry:
     files = []
     for pfile in patch:
         info = {}
-        for line in pfile.patch_info:
+        # A section without a `diff --git` line (plain `diff -u`, or hand-edited) has no header
+        # lines at all: unidiff gives None, not an empty list.
+        for line in pfile.patch_info or ():
             line = line.rstrip("\r\n")
             for key in ("old mode ", "new mode ", "new file mode ", "deleted file mode ", "rename from ",
                         "rename to ", "copy from ", "copy to "):
@@ -205,9 +220,9 @@ def load_carry(path: Path) -> Carry:
         if "rename from" in info or "copy from" in info:
             kind = "rename" if "rename from" in info else "copy"
             old, new = info[f"{kind} from"], info[f"{kind} to"]
-        elif "new file mode" in info or (old is None and new is not None):
+        elif "new file mode" in info or (old is None and new is not None) or _whole_side_empty(pfile, "source"):
             kind, old = "add", None
-        elif "deleted file mode" in info or (new is None and old is not None):
+        elif "deleted file mode" in info or (new is None and old is not None) or _whole_side_empty(pfile, "target"):
             kind, new = "delete", None
         else:
             kind = "modify"

@@ -335,3 +335,56 @@ def test_upstream_offsets_are_warned_and_shown_in_manifest_md(recipe, make_optio
     md = render_markdown(b.manifest)
     assert "Placed at an offset from their header line (2): `megatron/core/utils.py#1` -3" in md
     assert "| `megatron/core/utils.py#1` | upstream-verbatim | applied | -3 |" in md
+
+
+# --- dialects other than `git diff` (issue 23) ---------------------------------------------------
+
+def _gnu_diff_carry(tmp: Path, base: dict, changed: dict) -> tuple[Path, Path]:
+    """A base tree ``tmp/repo`` from ``base`` and a carry made by GNU ``diff -ruN a b`` (no git lines).
+
+    ``changed`` maps paths to their new bytes; paths absent from ``base`` are created.
+    """
+    repo, old, new = tmp / "repo", tmp / "a", tmp / "b"
+    for root, files in ((repo, base), (old, base), (new, {**base, **changed})):
+        for rel, data in files.items():
+            _write(root / rel, data)
+    _git(repo, "init", "-q")  # git apply (the reference) runs in a repository
+    proc = subprocess.run(["diff", "-ruN", "a", "b"], cwd=tmp, capture_output=True, env={"TZ": "UTC", "LC_ALL": "C"})
+    assert proc.returncode == 1, proc.stderr
+    carry = tmp / "carry.patch"
+    carry.write_bytes(proc.stdout)
+    return carry, repo
+
+
+def test_section_without_diff_git_line_carries_like_git_apply(tmp_path):
+    # A plain `diff -u` section: `---`/`+++` with dates, no `diff --git` header line at all.
+    carry, repo = _gnu_diff_carry(tmp_path, {"a.py": F.encode()}, {"a.py": F.replace("x + 1", "x + 2", 1).encode()})
+    text = carry.read_bytes()
+    plain = text.replace(b"diff -ruN a/a.py b/a.py\n", b"")  # as a hand-edited patch has it
+    assert not plain.startswith(b"diff ") and b"\n--- a/a.py\t" in b"\n" + plain
+    carry.write_bytes(plain)
+    ours = carried_tree(carry, repo)
+    ref, message = git_apply_tree(load_carry(carry), repo)
+    assert message == "" and ours == ref
+    assert ours["a.py"][0] == F.replace("x + 1", "x + 2", 1).encode()
+
+
+def test_diff_ruN_new_file_is_a_creation_like_git_apply(tmp_path):
+    carry, repo = _gnu_diff_carry(tmp_path, {"a.py": F.encode()}, {"new/n.py": b"N = 1\nM = 2\n"})
+    assert b"1970-01-01" in carry.read_bytes() and b"@@ -0,0 +1,2 @@" in carry.read_bytes()
+    loaded = load_carry(carry)
+    assert [(f.kind, f.old_path, f.new_path) for f in loaded.files] == [("add", None, "new/n.py")]
+    ours = carried_tree(carry, repo)
+    ref, message = git_apply_tree(loaded, repo)
+    assert message == "" and ours == ref and ours["new/n.py"][0] == b"N = 1\nM = 2\n"
+
+
+def test_git_diff_adding_lines_to_an_empty_file_is_not_read_as_a_creation(tmp_path):
+    # git writes `@@ -0,0 +1 @@` for an existing empty file too; its own headers decide, not -0,0.
+    from unidiff import PatchSet
+
+    from backport.carry import _whole_side_empty
+    carry, _ = make_carry(tmp_path, {"a.py": F.encode(), "e.py": b""}, lambda r: _write(r / "e.py", b"E = 1\n"))
+    (pfile,) = PatchSet(carry.read_text())
+    assert pfile[0].source_start == 0 and pfile[0].source_length == 0
+    assert not _whole_side_empty(pfile, "source")
