@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -182,10 +183,39 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
         sys.exit(1)
 
 
+_CARRY_SNAPSHOTS: list = []  # temporary folders of carries read from a pipe, removed at exit
+
+
+def _carry_read_once(carry: Optional[Path]) -> Optional[Path]:
+    """``carry`` itself when it is a regular file; else (``/dev/stdin``, ``<(...)``, a FIFO) its
+    bytes read once, fully, into a private temporary file of the same name, since the run reads
+    the carry more than once (digest, parse, determinism re-run) and a pipe yields its bytes once.
+
+    Raises:
+        ApplyError: the pipe cannot be read.
+    """
+    if carry is None or carry.is_file():
+        return carry
+    from .errors import ApplyError
+
+    try:
+        data = carry.read_bytes()
+    except OSError as exc:
+        raise ApplyError(f"cannot read carried patch {carry}: {exc.strerror}",
+                         hint="Pass --carry an existing file or a readable pipe.") from exc
+    snap = tempfile.TemporaryDirectory(prefix="gdn-carry-")
+    _CARRY_SNAPSHOTS.append(snap)
+    path = Path(snap.name) / (carry.name or "carry.patch")
+    path.write_bytes(data)
+    return path
+
+
 def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, release, out,
          allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks):
     from . import engine, locks, options as run_options, output
     from .sources import default_cache_dir
+
+    carry = _carry_read_once(carry)
 
     if dry_run and check:
         raise UsageError("--dry-run and --check exclude each other.", hint="Use one of them.")

@@ -388,3 +388,23 @@ def test_git_diff_adding_lines_to_an_empty_file_is_not_read_as_a_creation(tmp_pa
     (pfile,) = PatchSet(carry.read_text())
     assert pfile[0].source_start == 0 and pfile[0].source_length == 0
     assert not _whole_side_empty(pfile, "source")
+
+
+def test_carry_from_a_pipe_is_read_once_fully(tmp_path):
+    # `--carry /dev/stdin` or `<(...)`: a pipe yields its bytes once; the run reads the carry
+    # several times (digest, parse, determinism re-run), so it works on a snapshot.
+    from backport.cli import _carry_read_once
+
+    data = b"--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-x\n+y\n"
+    r, w = os.pipe()
+    os.write(w, data)
+    os.close(w)
+    try:
+        snap = _carry_read_once(Path(f"/dev/fd/{r}"))
+    finally:
+        os.close(r)
+    assert snap.is_file() and snap.read_bytes() == data and snap.read_bytes() == data
+    assert snap.name == str(r)
+    regular = tmp_path / "c.patch"
+    regular.write_bytes(data)
+    assert _carry_read_once(regular) == regular and _carry_read_once(None) is None
