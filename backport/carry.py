@@ -215,8 +215,9 @@ def load_carry(path: Path) -> Carry:
                 raise CarryRefused(path, label, "submodule")
             if mode not in MODES:
                 raise CarryRefused(path, label, "unknown-mode", mode)
-        old = _strip(pfile.source_file, "a/", path)
-        new = _strip(pfile.target_file, "b/", path)
+        # A carry saved with CRLF throughout leaves "\r" on the ---/+++ names: not part of the path.
+        old = _strip(pfile.source_file.rstrip("\r"), "a/", path)
+        new = _strip(pfile.target_file.rstrip("\r"), "b/", path)
         if "rename from" in info or "copy from" in info:
             kind = "rename" if "rename from" in info else "copy"
             old, new = info[f"{kind} from"], info[f"{kind} to"]

@@ -257,6 +257,21 @@ def _strip_newline(line: str) -> str:
     return line[:-1] if line.endswith("\n") else line
 
 
+def _line_ending_note(source: list, lines: list) -> str:
+    """``"; line endings differ: ..."`` when the hunk's lines and the file's end differently
+    (CRLF against LF, a Windows editor's carry), else ``""``: the zero-fuzz refusal says so."""
+    def crlf(seq: list) -> Optional[bool]:
+        ends = [ln.endswith("\r\n") for ln in seq if ln.endswith("\n")]
+        return None if not ends else sum(ends) * 2 > len(ends)
+
+    hunk, tree = crlf(source), crlf(lines)
+    if hunk is None or tree is None or hunk == tree:
+        return ""
+    name = {True: "CRLF", False: "LF"}
+    return (f"; line endings differ: the hunk's lines end in {name[hunk]}, the file's in {name[tree]}"
+            f" (convert the carried patch's line endings to the file's, e.g. dos2unix, and carry it again)")
+
+
 @dataclass
 class FileState:
     """One file of the workspace.
@@ -386,7 +401,8 @@ class FileState:
                 raise ApplyError(f"{where} is already applied: its result is already in the file.",
                                  hint=_ALREADY_HINT)
             raise ApplyError(
-                f"{where} does not apply with zero fuzz (its context or removed lines differ from the tree)."
+                f"{where} does not apply with zero fuzz (its context or removed lines differ from the tree)"
+                f"{_line_ending_note(source, self.lines)}."
             )
         chosen = matches
         spans = symbol_spans(self.text) if source_symbol is not None else None

@@ -408,3 +408,16 @@ def test_carry_from_a_pipe_is_read_once_fully(tmp_path):
     regular = tmp_path / "c.patch"
     regular.write_bytes(data)
     assert _carry_read_once(regular) == regular and _carry_read_once(None) is None
+
+
+def test_crlf_throughout_the_carry_is_refused_naming_line_endings(tmp_path):
+    # A Windows editor saved the whole carry with CRLF; the base file has LF. GNU patch -p1
+    # refuses it too ("different line endings"); the refusal must say so, not only "context".
+    carry, repo = make_carry(tmp_path, {"a.py": F.encode()},
+                             lambda r: _write(r / "a.py", F.replace("x + 1", "x + 2", 1).encode()))
+    carry.write_bytes(carry.read_bytes().replace(b"\n", b"\r\n"))
+    with pytest.raises(ApplyError) as info:
+        carried_tree(carry, repo)
+    exc = info.value
+    assert exc.exit_code == 6
+    assert "line endings differ" in exc.message and "CRLF" in exc.message and "LF" in exc.message
