@@ -202,7 +202,9 @@ def load_carry(path: Path) -> Carry:
                 info["index mode"] = line.rsplit(" ", 1)[1]
             if line.startswith("GIT binary patch") or (line.startswith("Binary files ") and line.endswith(" differ")):
                 info["binary"] = line
-        label = pfile.target_file if pfile.target_file != "/dev/null" else pfile.source_file
+        # A carry saved with CRLF throughout leaves "\r" on the ---/+++ names: not part of the path.
+        source_file, target_file = pfile.source_file.rstrip("\r"), pfile.target_file.rstrip("\r")
+        label = target_file if target_file != "/dev/null" else source_file
         if getattr(pfile, "is_binary_file", False) or "binary" in info:
             raise CarryRefused(path, label, "binary", hint="Carry binary files outside the patch, or drop them from it.")
         for key in ("old mode", "new mode", "new file mode", "deleted file mode", "index mode"):
@@ -215,9 +217,8 @@ def load_carry(path: Path) -> Carry:
                 raise CarryRefused(path, label, "submodule")
             if mode not in MODES:
                 raise CarryRefused(path, label, "unknown-mode", mode)
-        # A carry saved with CRLF throughout leaves "\r" on the ---/+++ names: not part of the path.
-        old = _strip(pfile.source_file.rstrip("\r"), "a/", path)
-        new = _strip(pfile.target_file.rstrip("\r"), "b/", path)
+        old = _strip(source_file, "a/", path)
+        new = _strip(target_file, "b/", path)
         if "rename from" in info or "copy from" in info:
             kind = "rename" if "rename from" in info else "copy"
             old, new = info[f"{kind} from"], info[f"{kind} to"]
