@@ -15,7 +15,9 @@ file (:data:`REFUSALS`, also in ``docs/carry.md``): see :func:`load_carry`.
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -154,7 +156,23 @@ def _whole_side_empty(pfile, side: str) -> bool:
     if len(pfile) != 1 or any(line.startswith("diff --git ") for line in pfile.patch_info or ()):
         return False  # git marks creations and deletions itself; -0,0 there is an empty file
     hunk = pfile[0]
-    return getattr(hunk, f"{side}_start") == 0 and getattr(hunk, f"{side}_length") == 0
+    if getattr(hunk, f"{side}_start") != 0 or getattr(hunk, f"{side}_length") != 0:
+        return False
+    # -0,0 with a real date is an existing empty file (created: no; emptied: kept, as git does).
+    return _is_epoch(getattr(pfile, f"{side}_timestamp", None))
+
+
+def _is_epoch(stamp: Optional[str]) -> bool:
+    """True when a ``---``/``+++`` timestamp (``2026-01-02 03:04:05.123456789 +0100``) is the Unix
+    epoch in any zone: how ``diff -N`` dates the missing side of a created or deleted file."""
+    m = re.fullmatch(r"(\d{4})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.\d+)? ?([+-]\d{4})?", (stamp or "").strip())
+    if not m:
+        return False
+    y, mo, d, hh, mm, ss = (int(g) for g in m.groups()[:6])
+    zone = m.group(7) or "+0000"
+    offset = (1 if zone[0] == "+" else -1) * (int(zone[1:3]) * 3600 + int(zone[3:5]) * 60)
+    when = datetime.datetime(y, mo, d, hh, mm, ss, tzinfo=datetime.timezone(datetime.timedelta(seconds=offset)))
+    return when.timestamp() == 0
 
 
 def load_carry(path: Path) -> Carry:
@@ -235,7 +253,11 @@ def load_carry(path: Path) -> Carry:
         for n, hunk in enumerate(pfile, start=1):
             h = hunk_lines(hunk)
             has_context = len(h.source) > len([c for c in h.changes if c[1] == "-"])
-            if not has_context and kind not in ("add", "delete") and (hunk.source_start > 1 or not h.source):
+            # `@@ -0,0 +1,N @@` on a kept file is how git writes lines added to an empty file:
+            # allowed here, placed only on an empty file (FileState.apply_hunk refuses it otherwise).
+            empty_file_fill = not h.source and hunk.source_start == 0
+            if not has_context and kind not in ("add", "delete") and not empty_file_fill and (
+                    hunk.source_start > 1 or not h.source):
                 raise CarryRefused(path, f"{cf.path} hunk {n}", "zero-context",
                                    hint="Regenerate the carried patch with context (plain `git diff`, -U3).")
             cf.hunks.append(CarryHunk(

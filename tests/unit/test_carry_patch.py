@@ -421,3 +421,43 @@ def test_crlf_throughout_the_carry_is_refused_naming_line_endings(tmp_path):
     exc = info.value
     assert exc.exit_code == 6
     assert "line endings differ" in exc.message and "CRLF" in exc.message and "LF" in exc.message
+
+
+@pytest.mark.parametrize("base, after", [
+    ({"a.py": F.encode(), "e.py": b""}, {"e.py": b"a\nb\n"}),      # an existing empty file gains lines
+    ({"a.py": F.encode(), "x.py": b"l1\nl2\n"}, {"x.py": b""}),    # a file emptied but kept
+])
+def test_diff_ruN_minus_0_0_with_a_real_date_is_a_modification(tmp_path, base, after):
+    # Only an epoch date on the empty side means "created"/"deleted"; a real date is a file that
+    # exists and is (or becomes) empty, and git apply modifies it (hostile trial).
+    carry, repo = _gnu_diff_carry(tmp_path, base, after)
+    assert b"1970-01-01" not in carry.read_bytes()
+    assert [f.kind for f in load_carry(carry).files] == ["modify"]
+    ours = carried_tree(carry, repo)
+    ref, message = git_apply_tree(load_carry(carry), repo)
+    assert message == "" and ours == ref
+
+
+def test_epoch_is_recognised_in_any_zone():
+    from backport.carry import _is_epoch
+
+    assert _is_epoch("1970-01-01 00:00:00.000000000 +0000")
+    assert _is_epoch("1969-12-31 19:00:00.000000000 -0500")
+    assert _is_epoch("1970-01-01 01:00:00 +0100")
+    assert not _is_epoch("2026-12-02 11:22:33.121019009 +0000") and not _is_epoch(None) and not _is_epoch("junk")
+
+
+def test_git_diff_filling_an_empty_file_applies_like_git_apply(tmp_path):
+    carry, repo = make_carry(tmp_path, {"a.py": F.encode(), "e.py": b""}, lambda r: _write(r / "e.py", b"E = 1\n"))
+    ours = carried_tree(carry, repo)
+    ref, message = git_apply_tree(load_carry(carry), repo)
+    assert message == "" and ours == ref and ours["e.py"][0] == b"E = 1\n"
+
+
+def test_zero_context_insertion_at_the_top_of_a_non_empty_file_stays_refused(tmp_path):
+    carry, repo = make_carry(tmp_path, {"a.py": F.encode()}, lambda r: _write(r / "a.py", b"# top\n" + F.encode()),
+                             ("-U0",))
+    assert b"@@ -0,0 +1 @@" in carry.read_bytes()
+    with pytest.raises(ApplyError) as info:
+        carried_tree(carry, repo)
+    assert info.value.exit_code == 6
