@@ -6,6 +6,16 @@ PY := $(VENV)/bin/python
 # a local mirror); unset, tools/backport uses the GitHub URLs. No machine-specific default here.
 export MEGATRON_LM_REPO MEGATRON_BRIDGE_REPO
 
+# $(call tool,CMD): run one of our tools. make itself exits 2 for any failed recipe, which hides
+# the tool's documented exit code (README "Exit codes"); so a failure prints that code, and with
+# TOOL_RC_FILE set (.ci/run sets it) also writes it there, for a caller to exit with.
+TOOL_RC_FILE ?=
+define tool
+echo '$(strip $(1))'; rc=0; $(1) || rc=$$?; if [ $$rc -ne 0 ]; then \
+  echo "make $@: the tool exited $$rc (README \"Exit codes\"); make itself exits 2. Command: $(strip $(1))" >&2; \
+  $(if $(TOOL_RC_FILE),echo $$rc > $(TOOL_RC_FILE);) exit $$rc; fi
+endef
+
 .PHONY: venv patch release check-patch test test-unit test-image
 
 # ---- backport job -------------------------------------------------------------
@@ -20,23 +30,25 @@ $(VENV)/.installed: pyproject.toml requirements/verify.txt
 venv: $(VENV)/.installed
 
 patch: venv  ## Backport 5139086e onto the pinned tree: patch, manifest, trees, dated as manifests/lock.json (the committed bytes).
-	$(PY) tools/backport --upstream 5139086e --python $(abspath $(PY))
+	@$(call tool,$(PY) tools/backport --upstream 5139086e --python $(abspath $(PY)))
 
 # A new dated release: DATE=YYYY-MM-DD (default today, UTC). Re-dates manifests/lock.json and
 # says what changed; commit the lock to publish it.
 DATE ?=
 release: venv  ## New dated patch + lock (DATE=YYYY-MM-DD, default today UTC); says what changed in manifests/lock.json.
-	$(PY) tools/backport --upstream 5139086e --python $(abspath $(PY)) --release $(if $(DATE),--date $(DATE))
+	@$(call tool,$(PY) tools/backport --upstream 5139086e --python $(abspath $(PY)) --release $(if $(DATE),--date $(DATE)))
 
 check-patch: venv  ## Regenerate with the lock's date and compare with the files on disk (the lock alone in a fresh clone).
-	$(PY) tools/backport --check --python $(abspath $(PY))
+	@$(call tool,$(PY) tools/backport --check --python $(abspath $(PY)))
 
 # ---- tests --------------------------------------------------------------------
-test: venv  ## Unit tests, integration test (real mirrors), CPU regression suite.
-	$(PY) -m pytest tests -q -rs
+# The Docker tests (tests/unit/test_image_docker.py) are opt-in, GDN_DOCKER_TESTS=1: `make test`
+# runs them (holding the engine's lock that tools/image takes); the quick check does not.
+test: venv  ## Unit tests (Docker tests included), integration test (real mirrors), CPU regression suite.
+	GDN_DOCKER_TESTS=1 $(PY) -m pytest tests -q -rs
 
-test-unit: venv
-	$(PY) -m pytest tests/unit -q
+test-unit: venv  ## Quick check: unit tests without Docker, mirrors or network; prints skip reasons.
+	$(PY) -m pytest tests/unit -q -rs
 
 test-image: venv
 	$(PY) -m pytest tests/image -q -rs
@@ -73,27 +85,27 @@ gpu-suite:  ## On a 4-GPU host: the GPU part of the regression suite -> results/
 IMAGE_FLAVOUR ?= cuda
 GATE_FLAVOUR ?= cpu
 IMAGE_ARGS ?=
-# Where `make gate` writes its report. The default is the committed gate on record; CI
-# (.ci/run) passes GATE_REPORT=build/ci/gate-report.json (ignored by git) and `make record-gate`
-# copies that one over the committed file, on purpose.
-GATE_REPORT ?= results/pipeline/gate-report.json
+# Where `make gate` writes its report: build/ci/ (ignored by git), so a gate run by hand changes
+# no tracked file; `make record-gate` copies it over the committed gate on record
+# (results/pipeline/gate-report.json), on purpose.
 CI_REPORTS ?= build/ci
+GATE_REPORT ?= $(CI_REPORTS)/gate-report.json
 
 .PHONY: image gate record-gate image-measure dockerd
 
 dockerd:  ## Start a Docker Engine (Debian docker.io, overlay2 else vfs, no bridge) and wait for it.
-	tools/dockerd-up
+	@$(call tool,tools/dockerd-up)
 
 image: venv  ## Build the training image from build/tree/base + patches/latest (docker-py).
-	$(PY) tools/image build --flavour $(IMAGE_FLAVOUR) $(IMAGE_ARGS)
+	@$(call tool,$(PY) tools/image build --flavour $(IMAGE_FLAVOUR) $(IMAGE_ARGS))
 
 gate: venv  ## Build the cpu image, run its regression suite inside it, write $(GATE_REPORT).
-	$(PY) tools/image gate --flavour $(GATE_FLAVOUR) --report $(GATE_REPORT) $(IMAGE_ARGS)
+	@$(call tool,$(PY) tools/image gate --flavour $(GATE_FLAVOUR) --report $(GATE_REPORT) $(IMAGE_ARGS))
 
 record-gate:  ## Copy CI's gate report ($(CI_REPORTS)/gate-report.json) over the committed results/pipeline/gate-report.json.
-	@test -f $(CI_REPORTS)/gate-report.json || { echo "error: no $(CI_REPORTS)/gate-report.json"; echo "hint: run bash .ci/run (or make gate GATE_REPORT=$(CI_REPORTS)/gate-report.json) first"; exit 1; } >&2
+	@test -f $(CI_REPORTS)/gate-report.json || { echo "error: no $(CI_REPORTS)/gate-report.json"; echo "hint: run make gate (or bash .ci/run) first"; exit 1; } >&2
 	cp $(CI_REPORTS)/gate-report.json results/pipeline/gate-report.json
 	@echo "copied $(CI_REPORTS)/gate-report.json -> results/pipeline/gate-report.json; commit it to record this gate"
 
 image-measure: venv  ## Cold build and one-line-patch rebuild times -> results/pipeline/image-timings.json.
-	$(PY) tools/image measure --flavour $(GATE_FLAVOUR) $(IMAGE_ARGS)
+	@$(call tool,$(PY) tools/image measure --flavour $(GATE_FLAVOUR) $(IMAGE_ARGS))

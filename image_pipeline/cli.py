@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,9 @@ except ImportError:  # rich is a dependency; plain stderr still works without it
     _console = None
 
 RESULTS = REPO_ROOT / "results" / "pipeline"
+#: Where a gate writes its report unless told: ignored by git. The committed gate on record,
+#: results/pipeline/gate-report.json, changes only through `make record-gate`.
+GATE_REPORTS = REPO_ROOT / "build" / "ci"
 
 
 def say(text: str, style: str = "") -> None:
@@ -176,7 +180,9 @@ def build(json_out, **kw):
 @click.option("--image", "image_ref", default=None, help="Gate this image instead of building one.")
 @click.option("--gpus", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="GPU part of the suite: auto runs it when the host has GPUs.")
-@click.option("--report", type=click.Path(), default=str(RESULTS / "gate-report.json"), show_default=True)
+@click.option("--report", type=click.Path(), default=str(GATE_REPORTS / "gate-report.json"), show_default=True,
+              help="Where the JSON report goes (ignored by git; `make record-gate` copies it over the "
+                   "committed results/pipeline/gate-report.json).")
 @_one_per_engine
 def gate(image_ref, gpus, report, **kw):
     """Build the image, run its regression suite inside it, write a JSON report (`make gate`).
@@ -338,7 +344,31 @@ def prune(everything):
     say(f"==> [prune] reclaimed {freed / 2**30:.1f} GiB", "cyan")
 
 
+#: The make target that runs each subcommand (Makefile), for hints that name the failed command.
+MAKE_TARGETS = {"build": "make image", "gate": "make gate", "measure": "make image-measure",
+                "base": "make image"}
+
+
+def rerun_command(argv: list[str], environ=os.environ) -> str:
+    """The command to run again after a failure of ``tools/image ARGV``: the make target when make
+    ran it (``MAKELEVEL`` is set in make's children), else the command line itself."""
+    sub = next((a for a in argv if not a.startswith("-")), "")
+    if environ.get("MAKELEVEL") and sub in MAKE_TARGETS:
+        return MAKE_TARGETS[sub]
+    return " ".join(["tools/image", *argv])
+
+
+def retarget_hint(hint: str, argv: list[str], environ=os.environ) -> str:
+    """``hint`` with its "run `make image`" / "`make gate`" advice naming the command that failed
+    (a failed `make gate` is not fixed by `make image`, which builds the cuda flavour)."""
+    again = rerun_command(argv, environ)
+    for named in ("`make image`", "`make gate`"):
+        hint = hint.replace(named, f"`{again}`")
+    return hint
+
+
 def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cli.main(args=argv, prog_name="tools/image", standalone_mode=False)
     except click.exceptions.Abort:
@@ -349,12 +379,12 @@ def main(argv=None) -> None:
         sys.exit(2)
     except PipelineError as exc:
         say(f"error: {exc.message}", "bold red")
-        say(f"hint: {exc.hint}", "yellow")
+        say(f"hint: {retarget_hint(exc.hint, argv)}", "yellow")
         sys.exit(exc.exit_code)
     except Exception as exc:  # noqa: BLE001 - one line and a hint (exit 1), never a traceback
         from backport.errors import describe_unexpected
 
-        message, hint = describe_unexpected(exc, "tools/image " + " ".join((argv or sys.argv[1:])[:1]))
+        message, hint = describe_unexpected(exc, "tools/image " + " ".join(argv[:1]))
         if not isinstance(exc, OSError):
             hint = "This is a bug in gdn-backport or an unforeseen input; report it with the command you ran."
         say(f"error: {' '.join(message.split())}", "bold red")

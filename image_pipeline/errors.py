@@ -34,7 +34,8 @@ class GateFailed(ImageError):
     """The image's regression suite failed, errored, or ran no test."""
 
     exit_code = 12
-    default_hint = "Fix the failing tests named above, rebuild with `make image`, then `make gate`."
+    default_hint = ("Fix the failing tests named above, then run `make gate` again (it rebuilds the "
+                    "image from the verified patch first).")
 
 
 class InputError(ImageError):

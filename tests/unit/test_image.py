@@ -764,3 +764,70 @@ def test_an_unexpected_error_in_an_image_command_is_one_line_and_exit_1(monkeypa
     err = capsys.readouterr().err
     assert "Traceback" not in err and "second line" not in err
     assert "error: tools/image prune failed: unexpected RuntimeError: boom" in err and "hint: " in err
+
+
+def test_docker_tests_remove_only_the_images_they_tagged():
+    """The Docker tests' teardown removes its own tagged images by tag, never pruning parents,
+    and leaves untagged images (another build's layers) and images tagged before it alone."""
+    from types import SimpleNamespace
+
+    from test_image_docker import TEST_REPO, _remove_test_images, _tagged_by_tests
+
+    class Images:
+        def __init__(self):
+            self.items = [SimpleNamespace(id="sha256:old", tags=[f"{TEST_REPO}:kept"])]
+            self.removed = []
+
+        def list(self, name=None, all=False):
+            assert name == TEST_REPO and not all  # tagged images of the test repo only
+            return [i for i in self.items if i.tags]
+
+        def remove(self, ref, noprune=False, force=False):
+            assert noprune and not force, "a parent layer may be another build's"
+            self.removed.append(ref)
+
+    client = SimpleNamespace(images=Images())
+    before = _tagged_by_tests(client)
+    client.images.items += [SimpleNamespace(id="sha256:new", tags=[f"{TEST_REPO}:rejected"]),
+                            SimpleNamespace(id="sha256:layer", tags=[])]  # a concurrent build's
+    assert _remove_test_images(client, before) == ["sha256:new"]
+    assert client.images.removed == [f"{TEST_REPO}:rejected"]
+
+
+def test_docker_tests_are_opt_in_and_make_test_opts_in():
+    """`make test-unit` leaves the engine alone; `make test` opts in and prints skip reasons."""
+    from test_image_docker import OPT_IN
+
+    makefile = (REPO / "Makefile").read_text()
+    test_recipe = makefile.split("\ntest: ", 1)[1].split("\n\n", 1)[0]
+    unit_recipe = makefile.split("\ntest-unit: ", 1)[1].split("\n\n", 1)[0]
+    assert f"{OPT_IN}=1" in test_recipe and OPT_IN not in unit_recipe
+    assert "-rs" in unit_recipe
+
+
+def test_image_hints_name_the_command_that_failed():
+    """A failed `make gate` is not told to run `make image` (which builds the cuda flavour)."""
+    from image_pipeline.cli import rerun_command, retarget_hint
+    from image_pipeline.errors import GateFailed, hint_for_step
+
+    in_make = {"MAKELEVEL": "1"}
+    gate = ["gate", "--flavour", "cpu", "--report", "build/ci/gate-report.json"]
+    assert rerun_command(gate, in_make) == "make gate"
+    assert rerun_command(gate, {}) == "tools/image " + " ".join(gate)
+    for hint in (GateFailed.default_hint, hint_for_step("patch-apply"), hint_for_step("x")):
+        text = retarget_hint(hint, gate, in_make)
+        assert "make image" not in text and "`make gate`" in text
+    assert "`make image`" in retarget_hint(hint_for_step("x"), ["build", "--flavour", "cuda"], in_make)
+
+
+def test_a_failed_make_target_prints_and_records_the_tools_exit_code(tmp_path):
+    """make exits 2 for any failure; the Makefile prints the tool's own code and writes it to
+    TOOL_RC_FILE, which .ci/run exits with."""
+    rc_file = tmp_path / "rc"
+    proc = subprocess.run(["make", "-o", ".venv/.installed", f"TOOL_RC_FILE={rc_file}",
+                           "PY=sh -c 'exit 12' --", "gate"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "make gate: the tool exited 12" in proc.stderr
+    assert rc_file.read_text().strip() == "12"
+    ci = (REPO / ".ci" / "run").read_text()
+    assert 'export TOOL_RC_FILE=' in ci and 'exit "$rc"' in ci

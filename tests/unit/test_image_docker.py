@@ -12,7 +12,13 @@ Every test here skips, saying why, when no engine answers (start one with
 * the gate passes on the built image (its trees' digests, computed inside it, are the lock's),
   and refuses a run that ran no test and a run against the unpatched tree.
 
-Every test removes the images it made (tagged or not), so `make test` leaves none behind.
+They are opt-in: they run when ``GDN_DOCKER_TESTS=1`` (``make test`` and ``.ci/run`` set it;
+``make test-unit``, the quick check, does not, and says so in its skip reasons). Each test holds
+the Docker Engine's lock, the same one ``tools/image`` takes (:func:`engine_lock`), so a test
+never runs beside a build or gate of another clone on the same engine. Each test removes only
+the images it tagged (``gdn-megatron-test:*``), by id, without pruning their untagged parents:
+those are layers of the shared build cache, possibly in use by another build (removing every new
+untagged image once failed a concurrent gate with "unknown parent image ID").
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import pytest
 
 from backport.tree_digest import lock_fields
 from image_pipeline.build import IMAGE_REPO, BuildResult, BuildTracker, build_args, build_image, host_ca_bundle, stage_context
-from image_pipeline.engine import docker_client, ensure_base_image, image_exists
+from backport import locks
+from image_pipeline.engine import docker_client, engine_lock_path, ensure_base_image, image_exists
 from image_pipeline.errors import BuildStepFailed, DockerUnavailable, GateFailed, TreeDrift
 from image_pipeline.gate import require_gate_ok, run_gate
 from image_pipeline.inputs import CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, Inputs, flavour_lock, preflight
@@ -38,8 +45,18 @@ REPO = Path(__file__).resolve().parents[2]
 TEST_REPO = "gdn-megatron-test"
 
 
+#: The opt-in switch: the quick check (`make test-unit`) leaves the engine alone.
+OPT_IN = "GDN_DOCKER_TESTS"
+#: The engine's lock in the user's real cache, read at import: conftest's autouse fixture moves
+#: ``$GDN_BACKPORT_CACHE`` to a temporary folder for each test, and a lock there would be
+#: nobody else's.
+ENGINE_LOCK = engine_lock_path()
+
+
 @pytest.fixture(scope="module")
 def client():
+    if os.environ.get(OPT_IN) != "1":
+        pytest.skip(f"Docker tests are opt-in: set {OPT_IN}=1 (`make test` and `.ci/run` do)")
     try:
         c = docker_client(timeout=1800)
     except DockerUnavailable as exc:
@@ -53,38 +70,41 @@ def client():
     return c
 
 
-def _remove_new_images(client, before: set) -> list:
-    """Remove the images made since ``before`` (ids): children first, the test repo's tags only."""
+def _tagged_by_tests(client) -> dict:
+    """Image id -> its tags, for every image carrying a ``gdn-megatron-test:*`` tag."""
+    return {i.id: list(i.tags) for i in client.images.list(name=TEST_REPO)}
+
+
+def _remove_test_images(client, before: dict) -> list:
+    """Remove the images the test tagged since ``before`` (:func:`_tagged_by_tests`), by id,
+    keeping their untagged parents (the build cache another build may be using)."""
     import docker
 
     removed = []
-    for _ in range(20):
-        new = [i for i in client.images.list(all=True) if i.id not in before]
-        new = [i for i in new if all(t.startswith(f"{TEST_REPO}:") for t in i.tags)]
-        if not new:
-            break
-        progress = False
-        for image in new:
+    for image_id, tags in _tagged_by_tests(client).items():
+        if before.get(image_id) == tags:
+            continue  # was there before this test, with the same tags: not ours
+        for tag in tags:
+            if tag in before.get(image_id, []):
+                continue
             try:
-                client.images.remove(image.id, force=True, noprune=False)
-                removed.append(image.id)
-                progress = True
+                client.images.remove(tag, noprune=True)
             except docker.errors.ImageNotFound:
-                progress = True
-            except docker.errors.APIError:
-                continue  # has children not removed yet
-        if not progress:
-            break
+                pass
+        removed.append(image_id)
     return removed
 
 
 @pytest.fixture(autouse=True)
-def _leave_no_image_behind(request):
-    """Snapshot the engine's images before each test and remove what the test made."""
+def _hold_engine_and_clean_up(request):
+    """Hold the engine's lock for the test (the one ``tools/image`` takes: :func:`engine_lock_path`)
+    and remove what it tagged."""
     client = request.getfixturevalue("client")
-    before = {i.id for i in client.images.list(all=True)}
-    yield
-    _remove_new_images(client, before)
+    with locks.hold(ENGINE_LOCK, "the Docker Engine (tests/unit/test_image_docker.py)",
+                    say=lambda m: print(m, file=sys.stderr)):
+        before = _tagged_by_tests(client)
+        yield
+        _remove_test_images(client, before)
 
 
 def _sha(data: bytes) -> str:
