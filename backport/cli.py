@@ -169,7 +169,7 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - the one top-level handler: one line, a hint, no traceback
         from .errors import describe_unexpected
-        from .sources import default_cache_dir
+        from .cache import default_cache_dir
 
         message, hint = describe_unexpected(exc, step["now"])
         message = " ".join(message.split())
@@ -213,7 +213,7 @@ def _carry_read_once(carry: Optional[Path]) -> Optional[Path]:
 def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, release, out,
          allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks):
     from . import engine, locks, options as run_options, output
-    from .sources import default_cache_dir
+    from .cache import default_cache_dir
 
     carry = _carry_read_once(carry)
 

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 import filelock
 
+from .cache import default_cache_dir
 from .errors import BusyError, WriteError, oserror_hint
 
 #: Whether a run waits for a busy lock (True) or refuses at once (``--no-wait``). Set by the
@@ -47,8 +48,6 @@ def _owner_note(path: Path) -> str:
 
 def _lock_error(exc: OSError, path: Path, what: str) -> WriteError:
     """A lock file that cannot be made (exit 1): one line naming it, a hint by errno."""
-    from .sources import default_cache_dir
-
     where = exc.filename or str(path.parent)
     hint = oserror_hint(exc, where)
     cache = default_cache_dir()

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import UsageError
-from .sources import default_cache_dir
+from .cache import default_cache_dir
 
 def fs_text(name: str) -> str:
     """A file name as text for the manifest: its bytes read as UTF-8, whatever the locale.

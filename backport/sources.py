@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import git
 
 from . import locks
+from .cache import default_cache_dir  # noqa: F401 - re-exported: the cache location's old home
 from .errors import PinError, SourceError
 from .gitenv import isolate_gitpython, isolated
 
@@ -29,12 +30,6 @@ DEFAULT_URLS = {
     "megatron-bridge": "https://github.com/NVIDIA-NeMo/Megatron-Bridge.git",
 }
 ENV_VARS = {"megatron-lm": "MEGATRON_LM_REPO", "megatron-bridge": "MEGATRON_BRIDGE_REPO"}
-
-
-def default_cache_dir() -> Path:
-    """``$GDN_BACKPORT_CACHE`` or ``~/.cache/gdn-backport``."""
-    env = os.environ.get("GDN_BACKPORT_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "gdn-backport"
 
 
 @dataclass

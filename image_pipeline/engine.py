@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from backport import locks
-from backport.sources import default_cache_dir
+from backport.cache import default_cache_dir
 
 from .errors import BaseImageMissing, BuildStepFailed, DiskSpaceError, DockerUnavailable, ImageError
 from .inputs import CPU_BASE_IMAGE, REPO_ROOT

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from backport.sources import default_cache_dir
+from backport.cache import default_cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
 TREES = REPO / "build" / "tree"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from backport import engine, options, output
-from backport.sources import default_cache_dir
+from backport.cache import default_cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "manifests" / "gdn-chunkwise-cp.yaml"

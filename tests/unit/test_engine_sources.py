@@ -8,7 +8,8 @@ import git
 import pytest
 
 from backport.errors import PinError, SourceError
-from backport.sources import Source, default_cache_dir, open_source
+from backport.cache import default_cache_dir
+from backport.sources import Source, open_source
 from backport.tree import assemble_base_tree, tree_digest
 from backport.upstream import load_hunks
 
