@@ -26,7 +26,7 @@ from cp_layout_ref import zigzag_rank_indices
 
 MODES = ("headwise", "chunkwise", "all_gather")
 
-# Frozen numerical gates (shared/design.md).
+# Frozen numerical gates (the project's design notes; docs/gpu.md "Gates").
 GATE_CP = {"atol": 2e-3, "rtol": 1e-2, "cos_min": 0.9999}
 GATE_OLD_NEW = {"atol": 2e-4, "rtol": 2e-3, "cos_min": 0.99999}
 
@@ -274,7 +274,7 @@ def compare(got: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float, cos_
             rel_l2_max: float = 0.1) -> dict:
     """Compare ``got`` to ``ref`` (any shape, any float dtype; computed in float64 on CPU).
 
-    Gate (``passed``), the frozen one of ``shared/design.md``: every value finite, every
+    Gate (``passed``), the frozen one (docs/gpu.md "Gates"): every value finite, every
     element within ``atol + rtol*|ref|``, AND cosine >= ``cos_min``. It is strict on purpose:
     a CP bug that corrupts a few tokens (a lost conv halo, a wrong state at one rank edge)
     moves single elements far past the bound while the cosine stays above 0.9999.
