@@ -4,6 +4,7 @@ Docker (patch against manifest, torch wheel against its lock, pristine tree agai
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 CUDA_BASE_IMAGE = "nvcr.io/nvidia/pytorch:25.12-py3"
 CPU_BASE_IMAGE = "gdn-base:bookworm"
-CPU_TORCH_WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
+#: The cpu flavour's torch wheel (its sha256 is pinned in docker/torch-cpu.lock): where this machine
+#: kind keeps it, or ``$GDN_CPU_TORCH_WHEEL`` (``--torch-wheel`` on the command line wins).
+CPU_TORCH_WHEEL_NAME = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+CPU_TORCH_WHEEL = Path(os.environ.get("GDN_CPU_TORCH_WHEEL") or f"/opt/wheels/{CPU_TORCH_WHEEL_NAME}")
 
 
 @dataclass(frozen=True)
