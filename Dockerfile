@@ -18,6 +18,8 @@
 #                            tree_digest.py (backport/tree_digest.py, stdlib only)
 #   patch/megatron.patch     patches/latest/megatron.patch
 #   patch/manifest.json      patches/latest/manifest.json
+#   patch/manifest.md        patches/latest/manifest.md (its view for people)
+#   patch/decisions.md       docs/decisions.md (the decisions the manifest's reasons cite)
 #   patch/trees.json         the tree digests of manifests/lock.json (base_tree_sha256,
 #                            patched_tree_sha256, tree_files)
 #

@@ -25,6 +25,7 @@ from .transforms.transplant import transplant
 from .tree import assemble_base_tree
 from .options import Options, fs_text, validate
 from .patchfile import attribute_hunks, make_patch
+from .upstream_lines import beyond_upstream_rows, origin_line_totals, upstream_line_sets
 from .upstream import UpstreamHunk, load_hunks
 from .workspace import FileState, Workspace, bindings, bindings_at, check_tree_path, new_bindings, split_lines
 
@@ -210,6 +211,8 @@ class _Run:
             kind = "preserved-fix" if step.kind == "fix" else "adaptation"
             self.origins[step.id] = {"kind": kind, "transform": step.transform, "adapts": step.adapts,
                                      "why": step.why, "status": status}
+            if step.source:
+                self.origins[step.id]["source"] = step.source
 
     def _what(self, step) -> str:
         return f"transform {step.transform}" if getattr(step, "transform", None) else step.kind
@@ -391,7 +394,9 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
 
     run, patch_text = once(warn=progress)
     timings["recipe_s"] = time.perf_counter() - t2
-    files, attribution = attribute_hunks(patch_text, run.ws, run.origins)
+    changed_paths = [f.path for f in run.ws.changed()]
+    files, attribution = attribute_hunks(patch_text, run.ws, run.origins,
+                                         upstream_line_sets(mlm, upstream_sha, changed_paths))
 
     upstream_records = []
     for h in hunk_list:
@@ -424,6 +429,8 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
         "attribution": {"exact": attribution.get("exact", 0), "by_neighbour": attribution.get("by_neighbour", 0)},
         "files": files,
         "origins": {k: run.origins[k] for k in sorted(run.origins)},
+        "lines_vs_upstream": origin_line_totals(files),
+        "beyond_upstream": beyond_upstream_rows(recipe, files),
         "upstream_hunks": upstream_records,
         "upstream_summary": dict(sorted(Counter(r["disposition"] for r in upstream_records).items())),
         "forbidden_strings": recipe.forbidden_strings,

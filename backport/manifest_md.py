@@ -12,6 +12,31 @@ def _table(headers: list[str], rows: list[list]) -> list[str]:
     return out
 
 
+def _carry_line(carry) -> str:
+    if not carry:
+        return "none"
+    return f"`{carry['name']}` (sha256 `{carry['sha256']}`, {len(carry['hunks'])} hunks)"
+
+
+def _vs_upstream(o: dict) -> str:
+    if "added_upstream" not in o or o["kind"] == "upstream-verbatim":
+        return ""
+    return f"; {o['added_upstream']} up, {o['added_ours']} ours"
+
+
+def _beyond_upstream(m: dict) -> list[str]:
+    rows = m.get("beyond_upstream")
+    if rows is None:
+        return []
+    out = ["", f"## Beyond upstream ({len(rows)})", "",
+           "What the recipe adds that the upstream commit does not, one row per item. `ours` is the step's "
+           "added lines in that file not found upstream (shared by the step's items).", ""]
+    out += _table(["step", "file", "what", "why", "effect", "evidence", "ours"],
+                  [[f"`{r['step']}`", f"`{r['file']}`", r["what"], r["why"], r["effect"], r["evidence"],
+                    r["step_lines_ours"]] for r in rows])
+    return out
+
+
 def render_markdown(m: dict) -> str:
     """Render manifest dict ``m`` as Markdown (deterministic)."""
     p = m["pins"]
@@ -34,17 +59,22 @@ def render_markdown(m: dict) -> str:
         "## Patch",
         f"`{m['patch']['name']}`: sha256 `{m['patch']['sha256']}`, {m['patch']['files']} files, "
         f"{m['patch']['hunks']} hunks, +{m['patch']['added']} -{m['patch']['removed']}.",
-        f"Carried downstream patch: {('`' + m['carry']['name'] + '` (' + str(len(m['carry']['hunks'])) + ' hunks)') if m['carry'] else 'none'}.",
+        f"Carried downstream patch: {_carry_line(m['carry'])}.",
         f"Line attribution: {m['attribution']['exact']} lines exact, {m['attribution']['by_neighbour']} by neighbour in the same hunk.",
         "",
         "## Output hunks and their origins",
     ]
+    if "lines_vs_upstream" in m:
+        lines += ["", "Each origin's added lines are also counted by content: `up` equal a line of the upstream "
+                  "commit's version of the file (whitespace-stripped), `ours` do not; blank lines are neither.", ""]
     rows = []
     for f in m["files"]:
         for h in f["hunks"]:
-            origins = "; ".join(f"{o['origin']} ({o['kind']}, +{o['added']} -{o['removed']})" for o in h["origins"])
+            origins = "; ".join(f"{o['origin']} ({o['kind']}, +{o['added']} -{o['removed']}{_vs_upstream(o)})"
+                                for o in h["origins"])
             rows.append([f"`{h['id']}`", f"`{h['header'].split(' @@')[0]} @@`", f"+{h['added']} -{h['removed']}", origins])
     lines += _table(["hunk", "header", "lines", "origin"], rows)
+    lines += _beyond_upstream(m)
     lines += ["", "## Origins", ""]
     offsets = [(oid, o["offset"]) for oid, o in m["origins"].items() if o.get("offset")]
     if offsets:
@@ -63,6 +93,11 @@ def render_markdown(m: dict) -> str:
             made_by = (made_by + "; " if made_by else "") + f"`{o.get('commit', '')[:9]}`: " + ", ".join(
                 f"`{sym}`" for sym in o["symbols"])
         adapts = ", ".join(f"`{h}`" for h in o.get("adapts") or [])
+        if o["kind"] == "preserved-fix":
+            why += f" Source: {o.get('source') or 'not given (the recipe step has no `source`)'}."
+        totals = m.get("lines_vs_upstream", {}).get(oid)
+        if totals and o["kind"] != "upstream-verbatim":
+            why += f" Added lines: {totals['added_upstream']} as upstream, {totals['added_ours']} ours."
         rows.append([f"`{oid}`", o["kind"], o.get("status", "applied"), offset, made_by, adapts, why])
     lines += _table(["origin", "kind", "status", "offset", "made by", "adapts (upstream hunks)", "why"], rows)
     lines += ["", f"## Upstream hunks of {p['upstream'][:9]} ({len(m['upstream_hunks'])})", "",

@@ -7,10 +7,12 @@ import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 from unidiff import PatchSet
 
 from .errors import ApplyError
+from .upstream_lines import line_class
 from .gitenv import isolated
 from .workspace import Workspace, split_lines
 
@@ -69,8 +71,15 @@ def _neighbour_rank(label: list, other: list, origins: dict) -> tuple:
     return (origins[other[1]]["kind"] == "carried", other[0] != label[0])
 
 
-def attribute_hunks(patch_text: str, ws: Workspace, origins: dict) -> tuple[list, dict]:
+def attribute_hunks(patch_text: str, ws: Workspace, origins: dict,
+                    upstream_lines: Optional[dict] = None) -> tuple[list, dict]:
     """Attribute every +/- line of the patch to one origin.
+
+    Args:
+        upstream_lines: path -> the upstream commit's stripped lines of that file
+            (:func:`backport.upstream_lines.upstream_line_sets`); given, each origin record of a
+            hunk also counts its added lines that equal upstream's (``added_upstream``) and the
+            others (``added_ours``; blank lines are neither).
 
     Returns:
         (files, stats): per-file hunk records, and counts of exact/neighbour attributions.
@@ -88,12 +97,16 @@ def attribute_hunks(patch_text: str, ws: Workspace, origins: dict) -> tuple[list
         hunks = []
         for n, hunk in enumerate(pfile, start=1):
             labels = []
+            classes = []
+            up = None if upstream_lines is None else upstream_lines.get(pfile.path, frozenset())
             for line in hunk:
                 if line.is_added:
                     tag = state.tags[line.target_line_no - 1]
                     labels.append(["+", tag[1] if tag[0] == "origin" else None])
+                    classes.append(line_class(line.value, up))
                 elif line.is_removed:
                     labels.append(["-", state.removed_by.get(line.source_line_no - 1)])
+                    classes.append(None)
             for i, label in enumerate(labels):
                 if label[1] is not None:
                     stats["exact"] += 1
@@ -106,9 +119,13 @@ def attribute_hunks(patch_text: str, ws: Workspace, origins: dict) -> tuple[list
                 label[1] = labels[near[0][2]][1]
                 stats["by_neighbour"] += 1
             per = {}
-            for sign, oid in labels:
+            for (sign, oid), cls in zip(labels, classes):
                 rec = per.setdefault(oid, {"origin": oid, "kind": origins[oid]["kind"], "added": 0, "removed": 0})
+                if upstream_lines is not None and "added_upstream" not in rec:
+                    rec.update(added_upstream=0, added_ours=0)
                 rec["added" if sign == "+" else "removed"] += 1
+                if cls is not None and upstream_lines is not None:
+                    rec["added_" + cls] += 1
             hunks.append({
                 "id": f"{pfile.path}#{n}",
                 "header": str(hunk).splitlines()[0],

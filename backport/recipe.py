@@ -56,9 +56,21 @@ def _template_name(value: str) -> str:
     return value
 
 
+class BeyondUpstream(_Strict):
+    """One thing a step does that upstream (at the recipe's upstream commit) does not: a fix or
+    an adaptation of ours, listed in the manifest's "beyond upstream" table with its effect."""
+
+    what: str = Field(min_length=10, description="what the step adds, in a phrase")
+    why: str = Field(min_length=10, description="why it is needed or worth it")
+    effect: str = Field(min_length=3, description="the measured effect, or the fault it prevents")
+    evidence: str = Field(default="", description="where the figure comes from (a results/ folder)")
+
+
 class _Step(_Strict):
     id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
     why: str = Field(min_length=10)
+    beyond_upstream: list[BeyondUpstream] = Field(
+        default_factory=list, description="what this step adds beyond upstream, one entry per item")
 
     @field_validator("why")
     @classmethod
@@ -151,6 +163,8 @@ class Transform(_Step):
     path: TreePath
     transform: str
     adapts: list[str] = Field(default_factory=list)
+    source: str = Field(default="", description="kind fix: the downstream patch the preserved fix comes from "
+                                                "(shown in the manifest; 'not given' when empty)")
 
 
 Step = Annotated[Union[UpstreamFile, UpstreamHunks, Transplant, AddFile, Transform], Field(discriminator="kind")]

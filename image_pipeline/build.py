@@ -77,6 +77,8 @@ CONTEXT_SCRIPTS = {"app/bin": ("apply-patch.sh", "capability_check.py", "run-sui
                    "deps": ("install-deps.sh",)}
 #: The one digest implementation, copied into the image (standard library only).
 TREE_DIGEST_SCRIPT = Path(td.__file__)
+#: The design decisions the manifest's reasons cite ("decision N"), shipped beside the manifest.
+DECISIONS = Path(__file__).resolve().parent.parent / "docs" / "decisions.md"
 
 
 def _copy(src: Path, dest: Path) -> None:
@@ -112,8 +114,9 @@ def stage_context(inputs: Inputs, flavour: Flavour, dest: Path, ca_bundle: Optio
 
     Layout (the Dockerfile's header lists it): Dockerfile, deps/ (locks, install
     script, wheels/, optional ca-bundle.crt), tree/megatron/, app/ (tests/image/,
-    bin/ with tree_digest.py), patch/ (patch, manifest, trees.json: the lock's tree fields,
-    ``trees`` or read from ``inputs.tree_lock``).
+    bin/ with tree_digest.py), patch/ (patch, manifest.json, manifest.md when beside it,
+    decisions.md from docs/, trees.json: the lock's tree fields, ``trees`` or read from
+    ``inputs.tree_lock``).
     """
     trees = trees if trees is not None else read_tree_lock(inputs.tree_lock)
     if dest.exists():
@@ -136,6 +139,11 @@ def stage_context(inputs: Inputs, flavour: Flavour, dest: Path, ca_bundle: Optio
     shutil.copytree(inputs.tests, dest / "app" / "tests" / "image", symlinks=True, ignore=ignore)
     _copy(inputs.patch, dest / "patch" / "megatron.patch")
     _copy(inputs.manifest, dest / "patch" / "manifest.json")
+    # For people reading the image: the manifest's Markdown view (beside the JSON, as tools/backport
+    # writes it) and the design decisions its reasons cite.
+    if inputs.manifest.with_suffix(".md").is_file():
+        _copy(inputs.manifest.with_suffix(".md"), dest / "patch" / "manifest.md")
+    _copy(DECISIONS, dest / "patch" / "decisions.md")
     (dest / "patch" / "trees.json").write_text(json.dumps(trees, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return dest
 

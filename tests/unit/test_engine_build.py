@@ -461,3 +461,42 @@ def test_check_compares_the_trees_on_disk_with_the_lock(built, tmp_path):
     rel = victim.relative_to(tmp_path / "build/tree/patched").as_posix()
     assert f"build/tree/patched (the patched tree's sha256" in exc.value.message
     assert f"first differing file: {rel} (changed)" in exc.value.message
+
+
+def test_manifest_tells_our_lines_from_upstreams(tmp_path, fake_repos, make_options, carry_patch):
+    """Per hunk and origin, added lines equal to upstream's vs ours; the beyond-upstream table;
+    each preserved fix's source; the carry's sha256 in manifest.md."""
+    import hashlib
+
+    from backport.manifest_md import render_markdown
+
+    data = recipe_data(fake_repos)
+    for step in data["steps"]:
+        if step["id"] == "add-gdn-cp":
+            step["beyond_upstream"] = [{"what": "our whole module, none of it upstream",
+                                        "why": "the fake recipe needs one item", "effect": "none measured",
+                                        "evidence": "results/none"}]
+        if step["id"] == "fix-tuple-index":
+            step["source"] = "the fake downstream image's megatron.patch"
+    path = write_recipe(tmp_path / "fake.yaml", data)
+    b = build(make_options(path, carry=carry_patch))
+    m = b.manifest
+    totals = m["lines_vs_upstream"]
+    # taken verbatim: every non-blank added line is upstream's
+    assert totals["megatron/core/utils.py#1"]["added_ours"] == 0 and totals["megatron/core/utils.py#1"]["added_upstream"] > 0
+    # our module has no upstream file: all ours
+    assert totals["add-gdn-cp"]["added_upstream"] == 0 and totals["add-gdn-cp"]["added_ours"] > 0
+    for f in m["files"]:
+        for h in f["hunks"]:
+            for o in h["origins"]:
+                assert o["added_upstream"] + o["added_ours"] <= o["added"]
+    assert m["beyond_upstream"] == [{
+        "step": "add-gdn-cp", "file": "megatron/core/ssm/gdn_context_parallel.py",
+        "what": "our whole module, none of it upstream", "why": "the fake recipe needs one item",
+        "effect": "none measured", "evidence": "results/none", "step_lines_ours": totals["add-gdn-cp"]["added_ours"]}]
+    assert m["origins"]["fix-tuple-index"]["source"] == "the fake downstream image's megatron.patch"
+    md = render_markdown(m)
+    assert "## Beyond upstream (1)" in md and "our whole module, none of it upstream" in md
+    assert "Source: the fake downstream image's megatron.patch." in md
+    assert f"sha256 `{hashlib.sha256(carry_patch.read_bytes()).hexdigest()}`" in md
+    assert f"{totals['add-gdn-cp']['added_upstream']} up, {totals['add-gdn-cp']['added_ours']} ours" in md

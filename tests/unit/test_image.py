@@ -182,8 +182,13 @@ def test_stage_context_layout(inputs, tmp_path):
         f"deps/wheels/{inputs.torch_wheel.name}", "deps/ca-bundle.crt",
         "app/bin/apply-patch.sh", "app/bin/capability_check.py", "app/bin/run-suite.sh",
         "app/bin/tree_digest.py", "app/tests/image/test_x.py", "tree/megatron/core/mod.py",
-        "patch/megatron.patch", "patch/manifest.json", "patch/trees.json"])
+        "patch/megatron.patch", "patch/manifest.json", "patch/trees.json", "patch/decisions.md"])
     trees = json.loads((ctx / "patch" / "trees.json").read_text())
+    assert (ctx / "patch" / "decisions.md").read_bytes() == (REPO / "docs" / "decisions.md").read_bytes()
+    # the manifest's Markdown view travels beside the JSON when tools/backport wrote one
+    inputs.manifest.with_suffix(".md").write_text("# manifest\n")
+    ctx = stage_context(inputs, FLAVOURS["cpu"], tmp_path / "ctx", ca_bundle=ca)
+    assert (ctx / "patch" / "manifest.md").read_text() == "# manifest\n"
     assert trees == read_tree_lock(inputs.tree_lock)
     assert (ctx / "patch" / "megatron.patch").read_bytes() == inputs.patch.read_bytes()
 

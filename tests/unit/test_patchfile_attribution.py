@@ -92,3 +92,22 @@ def test_an_untracked_line_prefers_a_neighbour_of_its_own_sign():
     origins = dict(ORIGINS, **{"adapt-g": {"kind": "adaptation"}})
     files, _ = attribute_hunks(PATCH, _ws({1: "adapt-g"}), origins)
     assert _origins_of(files)["adapt-g"] == (0, 3)
+
+
+def test_added_lines_are_counted_as_upstreams_or_ours_by_content():
+    """With upstream's lines of the file, each origin's added lines split into lines equal to an
+    upstream line (indentation aside: transforms re-indent) and ours; blank lines are neither."""
+    from backport.upstream_lines import line_class
+
+    up = frozenset({"def f():", "return a", "pop()"})
+    assert line_class("        pop()", up) == "upstream"
+    assert line_class("    pop() ", up) == "upstream"
+    assert line_class("    push()", up) == "ours"
+    assert line_class("   ", up) is None
+    assert line_class("pop()", frozenset()) == "ours"
+    files, _ = attribute_hunks(PATCH, _ws({}), ORIGINS, upstream_lines={"m.py": up})
+    counts = {o["origin"]: (o["added"], o["added_upstream"], o["added_ours"]) for o in files[0]["hunks"][0]["origins"]}
+    # adapt-f added "x = 1" (ours) and "pop()" (upstream's); the carry added its comment (ours)
+    assert counts == {"adapt-f": (2, 1, 1), "carry:m.py#1": (1, 0, 1)}
+    plain, _ = attribute_hunks(PATCH, _ws({}), ORIGINS)
+    assert "added_upstream" not in plain[0]["hunks"][0]["origins"][0]
