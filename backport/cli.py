@@ -283,9 +283,14 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         written = output.write(build, out, trees=not no_trees)
         build.timings["write_s"] = time.perf_counter() - t0
         out_console.print(_summary(build, written, "write"))
-        changes = output.lock_changes(old_lock, output.lock_data(build))
-        if not changes:
-            click.echo(f"lock: {output.LOCK} unchanged (dated {shown}, as committed)")
+        new_lock = output.lock_data(build)
+        committed = _committed_lock(out)
+        changes = output.lock_changes(old_lock, new_lock)
+        if committed is not None and not output.lock_changes(committed, new_lock):
+            back = f"; the previous run's lock differed ({'; '.join(changes)})" if changes else ""
+            click.echo(f"lock: {output.LOCK} equals the committed lock (dated {shown}){back}")
+        elif not changes:
+            click.echo(f"lock: {output.LOCK} unchanged (dated {shown}, as the previous run wrote it)")
         else:
             same_day = old_lock is not None and old_lock.get("date") == output.lock_data(build)["date"]
             if same_day and not release:
@@ -298,6 +303,24 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
             else:
                 click.echo(f"release: {output.LOCK} changed: {'; '.join(changes)}. Commit it to publish this "
                            f"release, or `git checkout {output.LOCK}` and run without --date/--release to undo.")
+
+
+def _committed_lock(out: Path) -> Optional[dict]:
+    """``manifests/lock.json`` as committed at HEAD of the git work tree ``out``, else None (not a
+    work tree, no commit, or the lock not tracked there)."""
+    import json
+
+    import git
+
+    from . import output
+
+    try:
+        repo = git.Repo(out)
+        if Path(repo.working_tree_dir).resolve() != out.resolve():
+            return None
+        return json.loads(repo.git.show(f"HEAD:{output.LOCK}"))
+    except (git.exc.GitError, ValueError, OSError):
+        return None
 
 
 def _print_summary(out: Path) -> None:

@@ -129,8 +129,29 @@ def test_exit_0_and_the_lock_note(base_args, tmp_path):
     assert result.stderr.count("error:") == 0
     assert "release: manifests/lock.json changed: new lock" in result.stdout
     again = _invoke(base_args + ["--no-trees"])
-    assert "lock: manifests/lock.json unchanged (dated 2026-01-02, as committed)" in again.stdout
+    assert "lock: manifests/lock.json unchanged (dated 2026-01-02, as the previous run wrote it)" in again.stdout
     assert "success" in readme_table()[0]
+
+
+def test_back_from_a_carry_a_plain_run_says_the_lock_equals_the_committed_one(base_args, tmp_path):
+    """--out is a git work tree with the lock committed; a carry run rewrote the lock; the plain run
+    that goes back says the lock equals the committed one, not "changed ... commit the lock"."""
+    out = tmp_path / "out"
+    assert _invoke(base_args + ["--no-trees"]).exit_code == 0
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "commit.gpgsign=false"]
+    env = {**os.environ, "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
+    subprocess.run(git + ["init", "-q"], cwd=out, check=True, env=env)
+    subprocess.run(git + ["add", output.LOCK], cwd=out, check=True, env=env)
+    subprocess.run(git + ["commit", "-qm", "lock"], cwd=out, check=True, env=env)
+    lock_path = out / output.LOCK
+    carried = json.loads(lock_path.read_text(encoding="utf-8"))
+    carried["patch"]["sha256"] = "2" * 64  # what a carry run leaves
+    lock_path.write_bytes(output.canonical_json(carried))
+    back = _invoke(base_args + ["--no-trees", "--offline"])
+    assert back.exit_code == 0, back.output
+    assert "lock: manifests/lock.json equals the committed lock (dated 2026-01-02); the previous run's lock " \
+           "differed (patch " in back.stdout
+    assert "commit the lock" not in back.stdout
 
 
 def test_plain_run_reproduces_the_lock_date_and_a_release_says_what_changed(base_args, tmp_path):
