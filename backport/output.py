@@ -61,6 +61,8 @@ TREES = ("build/tree/base", "build/tree/patched")
 FIXED_PATHS = ("patches/megatron", "patches/latest/megatron.patch", "patches/latest/manifest.json",
                "patches/latest/manifest.md", LOCK, *TREES, OUTPUT_LOCK, OUTPUT_LOCK + ".owner",
                TXN + "/journal.json", TXN + "/journal.json.tmp", TXN + "/new", TXN + "/old")
+#: The output paths among those that are folders (the rest are files), for messages.
+FOLDERS = ("patches/megatron", *TREES, STATE, TXN, TXN + "/new", TXN + "/old")
 #: Folders of an output root that a run writes or replaces: no ``--out`` may lie inside them.
 OUTPUT_TREES = ("patches", "build/tree", STATE)
 #: How many of the files a tree replacement deletes the warning names.
@@ -130,7 +132,7 @@ def refuse_links(root: Path, rels: Iterable[str]) -> None:
             path = root / sub
             if path.is_symlink():
                 target = os.readlink(path)
-                kind = "folder" if i < len(parts) or sub in TREES or sub in (STATE, TXN, "patches/megatron") else "file"
+                kind = "folder" if i < len(parts) or sub in FOLDERS else "file"
                 dangling = "" if path.exists() else " (a dangling link)"
                 raise OutputLinkError(
                     f"{sub} in the output folder {root} is a symbolic link to {target}{dangling}: the run never "
@@ -207,7 +209,7 @@ def _lock_tree_ids(lock: dict, which: str) -> set:
     try:
         trees = lock["tree_files"]
         return set(trees["base"] if which == "base" else patched_ids(trees))
-    except (KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError, ValueError):
         return set()
 
 
