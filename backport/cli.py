@@ -3,7 +3,7 @@
 Exit codes: 0 ok; 1 system failure or unexpected error (one line naming the step and path,
 a hint, the traceback in a log file or with --debug); 2 usage; 3 source; 4 pin; 5 recipe;
 6 apply; 7 verification; 8 --check mismatch; 9-14 image (see image_pipeline/errors.py); 15 busy
-(--no-wait); 130 interrupted. The README's table lists them.
+(--no-wait); 16 an output path is a symbolic link; 130 interrupted. The README's table lists them.
 
 One run at a time per output folder (``build/.gdn/output.lock``, :mod:`backport.locks`); a
 run first finishes or rolls back a switch of outputs that a killed run left
@@ -122,7 +122,7 @@ def _save_traceback(exc: BaseException, places: list) -> Optional[Path]:
 @click.option("--carry", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Downstream patch applied first with zero fuzz; its hunks are recorded as carried.")
 @click.option("--date", "date", metavar="YYYY-MM-DD", help="Date of the output names and manifest (1970-01-01 to 9999-12-31); a date other than the lock's is a new release. Default SOURCE_DATE_EPOCH, else the date of <out>/manifests/lock.json (the committed bytes), else today (UTC).")
 @click.option("--release", is_flag=True, help="Make a new dated release: date today (UTC) unless --date or SOURCE_DATE_EPOCH says otherwise; says what changed in manifests/lock.json.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=REPO_ROOT, show_default=True, help="Output root (patches/, manifests/lock.json, build/tree/).")
+@click.option("--out", type=click.Path(file_okay=False), default=str(REPO_ROOT), show_default=True, help="Output root (patches/, manifests/lock.json, build/tree/); not inside the patches/, build/tree/ or build/.gdn/ of another output root; no output path below it may be a symbolic link.")
 @click.option("--allow-pin-mismatch", is_flag=True, help="Accept an MCore base that differs from the Bridge's .dev.commit.")
 @click.option("--no-import-check", is_flag=True, help="Skip the import check (recorded as SKIPPED in the manifest).")
 @click.option("--python", "python", default=sys.executable, show_default=True, help="Interpreter for the import check (needs torch, triton==3.6.0, FLA 0.4.2); checked before any work.")
@@ -152,6 +152,7 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
     step = {"now": "checking the inputs"}
     cache = cache_dir or None
     try:
+        out = _out_folder(out)
         if summary:
             _print_summary(out)
             return
@@ -181,6 +182,25 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
             hint += f" The traceback is in {log}." if log else " Re-run with --debug for the traceback."
         click.echo(f"error: {message}\nhint: {hint}", err=True)
         sys.exit(1)
+
+
+def _out_folder(value: str) -> Path:
+    """``--out`` as a path, refused when it names no folder ("" or blanks: it would mean the
+    current folder) or lies inside the output trees of another output root (the repository
+    root, where a run without ``--out`` writes, included).
+
+    Raises:
+        UsageError: naming the value.
+    """
+    from . import output
+
+    if not value.strip():
+        raise UsageError(f"--out {value!r} names no folder (an empty --out is not taken as the current folder)",
+                         hint="Pass --out a folder (--out . for the current one), or drop --out to write to "
+                              f"{REPO_ROOT}; check the variable that gave the empty value.")
+    out = Path(value)
+    output.refuse_nested_out(out, REPO_ROOT)
+    return out
 
 
 _CARRY_SNAPSHOTS: list = []  # temporary folders of carries read from a pipe, removed at exit
@@ -256,6 +276,8 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         click.echo(f"dry run: outputs in {scratch}; nothing else written (remove that folder when done)")
         return
 
+    step["now"] = f"checking the output paths in {out}"
+    output.preflight(out)  # before the lock, which lives under build/.gdn/ too
     step["now"] = f"taking the lock of the output folder {out}"
     with locks.hold(out / output.OUTPUT_LOCK, f"the output folder {out}"):
         step["now"] = f"recovering {out} from a killed run"
@@ -274,13 +296,13 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         out_console = Console(width=200)
         if check:
             step["now"] = f"comparing with the outputs in {out}"
-            report = output.check(build, out)
+            report = output.check(build, out, warn=lambda msg: click.echo(msg, err=True))
             out_console.print(_summary(build, [f"{rel}: {verdict}" for rel, verdict in report.items()], "check"))
             return
         old_lock = _read_json(out / output.LOCK)
         step["now"] = f"writing the outputs to {out}"
         t0 = time.perf_counter()
-        written = output.write(build, out, trees=not no_trees)
+        written = output.write(build, out, trees=not no_trees, warn=lambda msg: click.echo(msg, err=True))
         build.timings["write_s"] = time.perf_counter() - t0
         out_console.print(_summary(build, written, "write"))
         new_lock = output.lock_data(build)

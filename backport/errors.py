@@ -106,6 +106,24 @@ class BusyError(PipelineError):
     default_hint = "Wait for the other run to finish, or drop --no-wait."
 
 
+class OutputLinkError(PipelineError):
+    """An output path under ``--out`` (a file, a tree, or a folder on the way to one, the tool's
+    state under ``build/.gdn`` included) is a symbolic link: the run neither writes through it
+    (that would replace files outside ``--out``) nor replaces it (the link is the user's).
+
+    Attributes:
+        link: the link's path.
+        target: what it points to (``os.readlink``).
+    """
+
+    exit_code = 16
+    default_hint = "Remove the link named above (its target stays as it is) and run the same command again."
+
+    def __init__(self, message: str, link: str, target: str, hint=None):
+        super().__init__(message, hint=hint)
+        self.link, self.target = link, target
+
+
 class WriteError(PipelineError):
     """Outputs or a cache entry could not be written (disk full, read-only, permissions).
 

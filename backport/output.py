@@ -23,6 +23,13 @@ what a killed run left: without a journal it removes the staging folder; with on
 **forward** when the lock on disk is the journal's new lock, else **back** (old files moved
 back, new ones removed). Both are idempotent, so a kill during recovery is recovered too.
 After recovery the disk holds exactly the old set or exactly the new set.
+
+Where outputs may go (docs/outputs.md, "Outputs stay inside --out"): no output path and no
+folder on the way to one below the output root may be a symbolic link (:func:`refuse_links`,
+:class:`~backport.errors.OutputLinkError`, exit 16: neither written through nor replaced), and
+the output root may not lie inside the trees of another output root (:func:`refuse_nested_out`).
+Files in ``build/tree/*`` that the tool did not write are named in one warning line before the
+trees are replaced (:func:`foreign_tree_files`).
 """
 
 from __future__ import annotations
@@ -31,10 +38,11 @@ import hashlib
 import json
 import os
 import shutil
-from pathlib import Path
-from typing import Callable, Optional
+import sys
+from pathlib import Path, PurePosixPath
+from typing import Callable, Iterable, Optional
 
-from .errors import CheckMismatch, PipelineError, WriteError, oserror_hint
+from .errors import CheckMismatch, OutputLinkError, PipelineError, UsageError, WriteError, oserror_hint
 from .manifest_md import render_markdown
 from .tree import copy_tree
 from .tree_digest import check_against_lock as check_tree_against_lock
@@ -48,6 +56,17 @@ STATE = "build/.gdn"
 OUTPUT_LOCK = STATE + "/output.lock"
 TXN = STATE + "/txn"
 TREES = ("build/tree/base", "build/tree/patched")
+#: Every output path whose name does not depend on the build (the dated patch and manifests under
+#: ``patches/megatron/`` do), and the tool's state: what :func:`preflight` checks for links.
+FIXED_PATHS = ("patches/megatron", "patches/latest/megatron.patch", "patches/latest/manifest.json",
+               "patches/latest/manifest.md", LOCK, *TREES, OUTPUT_LOCK, OUTPUT_LOCK + ".owner",
+               TXN + "/journal.json", TXN + "/journal.json.tmp", TXN + "/new", TXN + "/old")
+#: The output paths among those that are folders (the rest are files), for messages.
+FOLDERS = ("patches/megatron", *TREES, STATE, TXN, TXN + "/new", TXN + "/old")
+#: Folders of an output root that a run writes or replaces: no ``--out`` may lie inside them.
+OUTPUT_TREES = ("patches", "build/tree", STATE)
+#: How many of the files a tree replacement deletes the warning names.
+NAMED = 5
 
 #: ``on_step(name)`` is called after each write step: the fault-injection tests kill the
 #: process there (tests/unit/test_output_atomic.py).
@@ -92,6 +111,134 @@ def rendered(build) -> dict[str, bytes]:
         "manifests/lock.json": canonical_json(lock_data(build)),
     }
     return dict(sorted(files.items()))
+
+
+def refuse_links(root: Path, rels: Iterable[str]) -> None:
+    """Refuse when any of ``rels`` (paths relative to the output root), or any folder on the way
+    to one below ``root``, is a symbolic link. ``root`` itself may be one (it is the user's
+    ``--out``); what lies above it is not looked at.
+
+    Raises:
+        OutputLinkError: naming the first link (in the order of ``rels``) and its target.
+    """
+    seen = set()
+    for rel in rels:
+        parts = PurePosixPath(rel).parts
+        for i in range(1, len(parts) + 1):
+            sub = "/".join(parts[:i])
+            if sub in seen:
+                continue
+            seen.add(sub)
+            path = root / sub
+            if path.is_symlink():
+                target = os.readlink(path)
+                kind = "folder" if i < len(parts) or sub in FOLDERS else "file"
+                dangling = "" if path.exists() else " (a dangling link)"
+                raise OutputLinkError(
+                    f"{sub} in the output folder {root} is a symbolic link to {target}{dangling}: the run never "
+                    f"writes its outputs through a link (that would replace files outside --out) nor replaces "
+                    f"a link with its own {kind}",
+                    link=str(path), target=target,
+                    hint=f"Remove the link (`rm {path}`; {target} stays as it is) and run the same command again, "
+                         f"so the run makes a real {kind} there; to write the outputs elsewhere, pass --out "
+                         f"<folder> instead of linking.")
+            if not path.exists():
+                break  # nothing below a missing folder exists either
+
+
+def preflight(root: Path) -> None:
+    """Refuse before any work when an output path of ``root`` is a link (:data:`FIXED_PATHS`).
+
+    :func:`write`, :func:`recover` and :func:`check` check again, with the dated names.
+
+    Raises:
+        OutputLinkError: see :func:`refuse_links`.
+    """
+    refuse_links(root, FIXED_PATHS)
+
+
+def refuse_nested_out(out: Path, default_root: Path) -> None:
+    """Refuse an output root inside an output tree (:data:`OUTPUT_TREES`) of another output root.
+
+    An output root is ``default_root`` (where a run without ``--out`` writes) or any folder
+    holding ``manifests/lock.json`` or ``build/.gdn/``. A run there would replace or delete the
+    nested output set (a plain run replaces ``build/tree/*`` whole). Links in ``out`` are
+    followed, so a link into such a tree is refused too.
+
+    Raises:
+        UsageError: naming ``out``, the output tree it lies in and that tree's output root.
+    """
+    target = out.resolve()
+    default = default_root.resolve()
+    for anc in target.parents:
+        rel = target.relative_to(anc).parts
+        tree = next((t for t in OUTPUT_TREES if rel[: len(PurePosixPath(t).parts)] == PurePosixPath(t).parts), None)
+        if tree is None:
+            continue
+        if anc == default or (anc / LOCK).is_file() or (anc / STATE).is_dir():
+            which = " (where a run without --out writes)" if anc == default else ""
+            raise UsageError(
+                f"--out {out} lies inside {anc / tree}, a folder the outputs of the output folder {anc}{which} are "
+                f"written to: a run there would replace or delete this output set",
+                hint=f"Pass --out a folder of its own, outside {anc}'s patches/, build/tree/ and build/.gdn/ "
+                     f"(e.g. --out {anc / 'build' / 'out'} or a folder elsewhere), then run the same command again.")
+
+
+def _entries(top: Path) -> set:
+    """Relative paths of the files and symlinks under ``top`` (links not followed), without
+    the caches :mod:`backport.tree_digest` ignores too (``__pycache__``, ``*.pyc``...)."""
+    from .tree_digest import _ignored
+
+    found = set()
+    if not top.is_dir() or top.is_symlink():
+        return found
+    for dirpath, dirnames, filenames in os.walk(top):
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        dirnames[:] = [d for d in dirnames if not _ignored(d) and d not in links]
+        for name in filenames + links:
+            if not _ignored(name):
+                found.add(Path(dirpath, name).relative_to(top).as_posix())
+    return found
+
+
+def _lock_tree_ids(lock: dict, which: str) -> set:
+    """The paths a lock's ``tree_files`` lists for the ``which`` (base | patched) tree; empty
+    when the lock has none or is malformed."""
+    from .tree_digest import patched_ids
+
+    try:
+        trees = lock["tree_files"]
+        return set(trees["base"] if which == "base" else patched_ids(trees))
+    except (KeyError, TypeError, AttributeError, ValueError):
+        return set()
+
+
+def foreign_tree_files(root: Path, known: dict) -> list[str]:
+    """Files in ``root/build/tree/*`` that replacing the trees deletes and the tool did not write.
+
+    Args:
+        root: output root.
+        known: tree (``build/tree/base``) -> the set of paths (relative to the tree, e.g.
+            ``megatron/core/x.py``) the tool wrote or writes there.
+
+    Returns:
+        sorted paths relative to ``root`` (``build/tree/base/notes.txt``).
+    """
+    found = []
+    for rel, paths in known.items():
+        found += [f"{rel}/{p}" for p in sorted(_entries(root / rel) - paths)]
+    return sorted(found)
+
+
+def _warn_foreign(found: list, root: Path, what: str, warn: Callable[[str], None]) -> None:
+    if found:
+        shown = ", ".join(found[:NAMED]) + (f" and {len(found) - NAMED} more" if len(found) > NAMED else "")
+        warn(f"warning: {what} deletes {len(found)} file{'s' if len(found) > 1 else ''} in {root} that the tool did "
+             f"not write: {shown}; keep your own files outside build/tree/ (it holds generated trees only)")
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -170,11 +317,14 @@ def recover(root: Path, on_step: StepHook = None) -> "str | None":
 
     Raises:
         OSError: the file system refuses a step (the journal stays; the next run retries).
+        OutputLinkError: the state folder, or a target the journal names, is a symbolic link
+            (nothing done; the journal stays).
     """
     step = on_step or (lambda _name: None)
     done = []
+    refuse_links(root, (TXN + "/journal.json", TXN + "/new", TXN + "/old"))
     for leftover in sorted(root.glob(".gdn-stage-*")) + [root / (t + ".old") for t in TREES]:
-        if leftover.is_dir():
+        if leftover.is_dir() and not leftover.is_symlink():  # a link there is the user's, not a leftover
             shutil.rmtree(leftover)
             done.append(f"removed {leftover.relative_to(root)}")
     txn = root / TXN
@@ -190,6 +340,7 @@ def recover(root: Path, on_step: StepHook = None) -> "str | None":
         step("remove unfinished staging")
         done.append(f"removed the unfinished staging folder {TXN} of a killed run")
         return "; ".join(done)
+    refuse_links(root, list(journal["targets"]) + [LOCK])
     if _sha256_file(root / LOCK) == journal["lock_sha256"]:
         for rel in journal["targets"]:
             _redo(root, txn, rel, step)
@@ -202,7 +353,8 @@ def recover(root: Path, on_step: StepHook = None) -> "str | None":
     return "; ".join(done)
 
 
-def write(build, root: Path, trees: bool = True, on_step: StepHook = None) -> list[Path]:
+def write(build, root: Path, trees: bool = True, on_step: StepHook = None,
+          warn: Callable[[str], None] = _stderr) -> list[Path]:
     """Write all outputs under ``root`` all at once; return the written paths.
 
     Stages everything under ``root/build/.gdn/txn/new``, writes the journal, switches the
@@ -214,19 +366,25 @@ def write(build, root: Path, trees: bool = True, on_step: StepHook = None) -> li
         root: output root.
         trees: also write ``build/tree/base`` and ``build/tree/patched``.
         on_step: called with a step name after each step that changes the disk (tests).
+        warn: where the warning line about files in ``build/tree/*`` that the tool did not
+            write goes (stderr by default); it comes before the switch.
 
     Raises:
+        OutputLinkError: an output path, or a folder on the way to one, is a symbolic link
+            (checked first, and again just before the switch; nothing switched).
         WriteError: a file system step failed (disk full, read-only folder...); the message
             names the step and path; the previous outputs are back in place.
         VerificationError: the patch does not apply to the staged tree (nothing switched).
     """
     step = on_step or (lambda _name: None)
     files = rendered(build)
+    targets = [rel for rel in files if rel != LOCK] + (list(TREES) if trees else [])
+    every = list(files) + list(TREES) + list(FIXED_PATHS)
+    refuse_links(root, every)
     root.mkdir(parents=True, exist_ok=True)
     recover(root, step)
     txn = root / TXN
     new = txn / "new"
-    targets = [rel for rel in files if rel != LOCK] + (list(TREES) if trees else [])
     doing = f"staging the outputs in {new}"
     try:
         new.mkdir(parents=True)
@@ -243,6 +401,11 @@ def write(build, root: Path, trees: bool = True, on_step: StepHook = None) -> li
             copy_tree(build.base_tree, new / TREES[1])
             apply_patch(new / TREES[1], build.patch, dry_run=False)
             step(f"stage {TREES[1]}")
+            old_lock = _json_on_disk(root / LOCK)
+            _warn_foreign(foreign_tree_files(root, {rel: _entries(new / rel) | _lock_tree_ids(old_lock, which)
+                                                    for rel, which in zip(TREES, ("base", "patched"))}),
+                          root, "replacing build/tree/base and build/tree/patched", warn)
+        refuse_links(root, every)  # again: a link made while staging is not written through either
         journal = {"schema": 1, "targets": targets,
                    "existed": {rel: _exists(root / rel) for rel in targets},
                    "lock_sha256": hashlib.sha256(files[LOCK]).hexdigest()}
@@ -351,20 +514,25 @@ def lock_changes(old: "dict | None", new: dict) -> list[str]:
     return changes
 
 
-def check(build, root: Path) -> dict[str, str]:
+def check(build, root: Path, warn: Callable[[str], None] = _stderr) -> dict[str, str]:
     """Compare fresh outputs with the files on disk.
 
     The lock must be on disk and equal. The generated files (patch, manifests) must all be
     equal, or all be absent, as in a fresh clone where only the lock is committed: the lock
     holds the patch's and the manifest's sha256, so comparing it compares them.
 
+    Files in ``build/tree/*`` that the fresh lock does not list (a plain run would delete
+    them) are named in one warning line (``warn``); they are no mismatch.
+
     Returns:
         relative path -> ``"identical"`` or :data:`PINNED_BY_LOCK`, sorted by path.
 
     Raises:
         CheckMismatch: listing every path that is missing or differs.
+        OutputLinkError: an output path, or a folder on the way to one, is a symbolic link.
     """
     files = rendered(build)
+    refuse_links(root, list(files) + list(TREES) + list(FIXED_PATHS))
     generated = [rel for rel in files if rel != LOCK]
     lock_only = not any((root / rel).exists() for rel in generated)
     report, diffs = {}, []
@@ -390,6 +558,9 @@ def check(build, root: Path) -> dict[str, str]:
     # The trees, when on disk, must be the ones the fresh lock pins (a --no-trees run or an
     # edit after the run would otherwise leave trees that disagree with the patch unnoticed).
     fresh_lock = json.loads(files[LOCK])
+    _warn_foreign(foreign_tree_files(root, {rel: _lock_tree_ids(fresh_lock, which) for rel, which
+                                            in zip(TREES, ("base", "patched")) if (root / rel).is_dir()}),
+                  root, "a plain run replaces build/tree/base and build/tree/patched and so", warn)
     for rel, which in zip(TREES, ("base", "patched")):
         if not (root / rel / "megatron").is_dir() or f"{which}_tree_sha256" not in fresh_lock:
             continue
