@@ -140,7 +140,7 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
         verbose):
     """Backport Megatron-LM chunkwise CP for Gated DeltaNet onto the pinned tree.
 
-    Writes patches/megatron/<YYYYMMDD>-<base9>.patch, patches/latest/megatron.patch and the
+    Writes patches/megatron/<YYYYMMDD>-<base9>[-carry-<sha8>].patch, patches/latest/megatron.patch and the
     hunk manifest (JSON + Markdown), after verifying the patch against the pristine base.
     A plain run reproduces the date of manifests/lock.json; --release or --date makes a new one.
     """

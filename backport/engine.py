@@ -422,7 +422,7 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
             "name": fs_text(opts.carry.name), "sha256": carry_sha,
             "hunks": sorted(k for k, v in run.origins.items() if v["kind"] == "carried")},
         "patch": {
-            "name": f"{opts.date}-{base_sha[:9]}.patch", "sha256": hashlib.sha256(patch_bytes).hexdigest(),
+            "name": patch_name(opts.date, base_sha, carry_sha), "sha256": hashlib.sha256(patch_bytes).hexdigest(),
             "files": len(files), "hunks": sum(len(f["hunks"]) for f in files),
             "added": sum(f["added"] for f in files), "removed": sum(f["removed"] for f in files),
         },
@@ -445,6 +445,14 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
     timings["total_s"] = time.perf_counter() - t0
     return Build(patch=patch_bytes, manifest=manifest, base_tree=base_tree, timings=timings,
                  cold=mlm.cold or bridge.cold, recipe=recipe)
+
+
+def patch_name(date: str, base_sha: str, carry_sha: Optional[str] = None) -> str:
+    """The dated patch's file name: ``<YYYYMMDD>-<base9>.patch``, or with a carry
+    ``<YYYYMMDD>-<base9>-carry-<sha256[:8] of the carried patch>.patch``, so the outputs of a run
+    with a carry never take the name (and the place in patches/megatron/) of the plain run's."""
+    stem = f"{date}-{base_sha[:9]}"
+    return f"{stem}-carry-{carry_sha[:8]}.patch" if carry_sha else f"{stem}.patch"
 
 
 def list_hunks(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> list[str]:

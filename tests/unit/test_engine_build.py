@@ -104,6 +104,8 @@ def test_carried_patch_hunks_are_carried_origins(recipe, carry_patch, make_optio
     carried = [o for f in m["files"] for h in f["hunks"] for o in h["origins"] if o["kind"] == "carried"]
     assert sum(o["added"] for o in carried) == 4 and sum(o["removed"] for o in carried) == 1
     assert "carry: sha256 " in b.patch.decode().split("diff --git")[0]
+    # a carry run's dated outputs never take the plain run's name
+    assert m["patch"]["name"] == f"20260102-{m['pins']['mcore_base'][:9]}-carry-{m['carry']['sha256'][:8]}.patch"
 
 
 def _edit(fake_repos, **change):
