@@ -54,3 +54,29 @@ def test_with_the_venv_the_wrapper_uses_it(tool, needle):
     res = subprocess.run([BASE_PYTHON, str(REPO / "tools" / tool), "--help"], capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr
     assert needle in res.stdout
+
+
+def test_the_readmes_training_example_builds_a_config_on_the_patched_tree():
+    """README "Training with the image": its TransformerConfig example runs on build/tree/patched,
+    and the mode it documents as absent ('auto') fails fast with LinearCPError."""
+    import re
+
+    tree = REPO / "build" / "tree" / "patched"
+    if not (tree / "megatron" / "core").is_dir():
+        pytest.skip("needs build/tree/patched (run `make patch`)")
+    section = (REPO / "README.md").read_text().split("## Training with the image", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"\n((?:    .*\n|\n)+)", section.split("| `all_gather` |", 1)[1]).group(1)
+    code = "\n".join(line[4:] for line in block.splitlines())
+    probe = code + (
+        "\nassert config.linear_cp_mode == 'chunkwise' and config.context_parallel_size == 2\n"
+        "import dataclasses\n"
+        "from megatron.core.ssm.gdn_context_parallel import LinearCPError\n"
+        "try:\n"
+        "    TransformerConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)\n"
+        "                         if f.init and f.name not in ('linear_cp_mode',)}, linear_cp_mode='auto')\n"
+        "except LinearCPError:\n"
+        "    print('auto refused')\n")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(tree)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "auto refused" in proc.stdout
