@@ -185,7 +185,7 @@ def run_case(seed: int, tmp: Path) -> tuple[str, list[str]]:
         have[p] = (st.text.encode(), mode) if st.exists else None
     assert have == want, f"seed {seed} ({ops}): carried tree differs from git apply's"
     # the tool's own output patch reproduces the same tree on the pristine files with GNU patch
-    out_patch = make_patch(ws.changed(), "header\n\n").encode()
+    out_patch = make_patch(ws.changed(), "header\n\n", base).encode()
     pristine = tmp / "gnu-patch"
     shutil.copytree(base, pristine, symlinks=True)
     gnu = subprocess.run(["patch", "-p1", "--fuzz=0", "--batch", "--no-backup-if-mismatch", "-r", "-"],
