@@ -180,15 +180,24 @@ def _diff_git_names(rest: str) -> Optional[tuple]:
     return (rest[:cut], rest[cut + 1:]) if cut is not None else None
 
 
-def _git_header_names(lines: list) -> tuple[list, dict]:
-    """Let the ``---``/``+++`` names of a ``diff --git`` section win over its ``diff --git`` line.
+#: Lines of a ``diff --git`` section's extended header (git's ``apply.c``, parse_git_diff_header).
+_GIT_HEADERS = ("--- ", "+++ ", "old mode ", "new mode ", "deleted file mode ", "new file mode ", "copy from ",
+                "copy to ", "rename old ", "rename new ", "rename from ", "rename to ", "similarity index ",
+                "dissimilarity index ", "index ")
+
+
+def _for_unidiff(lines: list) -> tuple[list, dict]:
+    """The carry's lines as unidiff must see them: the ``---``/``+++`` names of a ``diff --git``
+    section win over its ``diff --git`` line, and its header lines lose a CRLF's ``\\r``.
 
     ``git apply`` takes a section's file names from its ``---``/``+++`` lines when it has them
     (the ``diff --git`` line is only the default, git's ``apply.c``), and so does GNU
     ``patch -p1``; unidiff takes them from the ``diff --git`` line and stops ("Target without
     source") when ``+++`` names another file. So where the two disagree, the ``diff --git`` line
     handed to unidiff is rewritten to the ``---``/``+++`` names (the carry's bytes stay as they
-    are: git apply, the reference, reads those).
+    are: git apply, the reference, reads those). unidiff's header patterns end at ``\\n``, so in
+    a carry saved with CRLF throughout it misses ``deleted file mode``/``new file mode``; the
+    ``\\r`` goes from those lines (the hunks keep theirs, for the line-endings refusal).
 
     Returns:
         (lines for unidiff, {1-based line number of each rewritten ``diff --git`` line: note}).
@@ -198,13 +207,17 @@ def _git_header_names(lines: list) -> tuple[list, dict]:
         if not line.startswith("diff --git "):
             continue
         old = new = None
-        for header in lines[i + 1:]:  # the extended header: up to the first hunk or the next section
-            if header.startswith(("@@ ", "diff --git ")):
+        for j in range(i, len(lines)):  # the extended header, as git reads it: known lines up to +++
+            header = lines[j]
+            if j > i and not header.startswith(_GIT_HEADERS):
                 break
-            if header.startswith("--- ") and old is None:
+            if header.endswith("\r\n"):
+                out[j] = header = header[:-2] + "\n"
+            if header.startswith("--- "):
                 old = _header_name(header, "--- ")
-            elif header.startswith("+++ ") and new is None:
+            elif header.startswith("+++ "):
                 new = _header_name(header, "+++ ")
+                break
         names = _diff_git_names(line[len("diff --git "):])
         if old is None or new is None or names is None:
             continue
@@ -212,8 +225,7 @@ def _git_header_names(lines: list) -> tuple[list, dict]:
         meant = [unquote(n) if split_quoted(n) else n for n in (old, new)]
         if all(m == "/dev/null" or m[2:] == s[2:] for m, s in zip(meant, said)):
             continue
-        ending = line[len(line.rstrip("\r\n")):]
-        out[i] = f"diff --git {old} {new}{ending}"
+        out[i] = f"diff --git {old} {new}\n"
         notes[i + 1] = (f"its diff --git line names {said[0]} {said[1]}, its ---/+++ lines {meant[0]} {meant[1]}: "
                         f"the ---/+++ names are used, as git apply and GNU patch do")
     return out, notes
@@ -270,7 +282,7 @@ def load_carry(path: Path) -> Carry:
     if not raw.strip():
         raise CarryRefused(path, path.name, "not-a-patch", "it is empty",
                            hint="Pass a patch made with `git diff` against the pinned base, or drop --carry.")
-    lines, notes = _git_header_names(split_lines(text))
+    lines, notes = _for_unidiff(split_lines(text))
     try:
         patch = PatchSet(lines)
     except Exception as exc:  # unidiff raises its own parse errors
@@ -493,8 +505,13 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
 def _compare_with_git(carry: Carry, ws: Workspace, base_tree: Path) -> None:
     ref, message = git_apply_tree(carry, base_tree)
     if ref is None:
+        crlf = any(line.startswith(b"diff --git ") and line.endswith(b"\r\n") for line in carry.raw.splitlines(True))
         raise CarryRefused(carry.source, carry.files[0].path if len(carry.files) == 1 else "(patch)",
-                           "git-apply-differs", f"git apply refuses it: {message[-400:]}")
+                           "git-apply-differs", f"git apply refuses it: {message[-400:]}"
+                           + ("; the carry's diff --git lines end in CRLF (line endings: saved by a Windows editor?)"
+                              if crlf else ""),
+                           hint="Convert the carried patch's line endings to LF (dos2unix) and carry it again."
+                           if crlf else None)
     for path, want in sorted(ref.items()):
         state = ws.files.get(path)
         have = None if state is None or not state.exists else state.text.encode("utf-8")

@@ -637,3 +637,50 @@ def test_output_patch_keeps_100755_of_an_edited_executable_and_git_apply_check_i
     applied = subprocess.run(["git", "apply", "-"], cwd=repo, input=out.encode(), capture_output=True)
     assert applied.returncode == 0 and applied.stderr == b""
     assert os.stat(repo / "tool.py").st_mode & 0o111 and os.stat(repo / "moved_to.py").st_mode & 0o111
+
+
+# --- git format-patch mail, CRLF headers (issue 23) ---------------------------------------------------
+
+def test_format_patch_mail_carries_like_git_apply(tmp_path):
+    # From/Subject headers, a message with a "--- a/..." line and a "-- " line, the --- stat
+    # block, and the "-- \n2.x" signature trailer: the mail parts are not sections.
+    repo = _base_repo(tmp_path, {"a.py": F.encode(), "tool.py": F.encode()})
+    (repo / "tool.py").chmod(0o755)
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "exec")
+    _write(repo / "a.py", F.replace("x + 1", "x + 2", 1).encode())
+    _write(repo / "tool.py", F.replace("return y\n\n\ndef g", "return -y\n\n\ndef g").encode())
+    _write(repo / "new.py", b"N = 1\n")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m",
+         "downstream: three changes\n\nWhy, in a body line.\n--- a/not_a_file.py\n-- \nnot a signature")
+    mail = _git(repo, "format-patch", "-1", "--stdout", "--full-index")
+    _git(repo, "reset", "-q", "--hard", "HEAD~1")
+    assert mail.startswith(b"From ") and b"\nSubject: [PATCH] downstream" in mail
+    assert b"\n---\n a.py " in mail and mail.rstrip().endswith(b"\n-- \n" + mail.rstrip().rsplit(b"\n", 1)[1])
+    carry = tmp_path / "0001-downstream.patch"
+    carry.write_bytes(mail)
+    loaded = load_carry(carry)
+    assert [(f.kind, f.path) for f in loaded.files] == [("modify", "a.py"), ("add", "new.py"), ("modify", "tool.py")]
+    assert [len(f.hunks) for f in loaded.files] == [1, 1, 1]
+    ours = carried_tree(carry, repo)
+    ref, message = git_apply_tree(loaded, repo)
+    assert message == "" and ours == ref and ours["tool.py"][1] == "100755"
+
+
+def test_crlf_carry_deleting_a_file_is_refused_naming_line_endings(tmp_path):
+    # unidiff missed "deleted file mode 100644\r" and stopped with "Target without source".
+    carry, repo = make_carry(tmp_path, {"a.py": F.encode(), "b.py": b"B = 1\n"}, lambda r: (r / "b.py").unlink())
+    carry.write_bytes(carry.read_bytes().replace(b"\n", b"\r\n"))
+    assert [f.kind for f in load_carry(carry).files] == ["delete"]
+    with pytest.raises(ApplyError) as info:
+        carried_tree(carry, repo)
+    assert info.value.exit_code == 6 and "line endings differ" in info.value.message
+
+
+def test_crlf_carry_of_a_mode_change_is_refused_naming_line_endings(tmp_path):
+    # No hunk to compare; git apply refuses the CRLF header ("lacks filename information").
+    carry, repo = make_carry(tmp_path, {"a.py": F.encode()}, lambda r: (r / "a.py").chmod(0o755), ())
+    carry.write_bytes(carry.read_bytes().replace(b"\n", b"\r\n"))
+    exc = _refused(carry, repo)
+    assert exc.reason == "git-apply-differs" and "line endings" in exc.message and "dos2unix" in exc.hint
