@@ -9,8 +9,11 @@ on the same base files, byte for byte (git itself is the reference applier).
 
 Supported exactly as ``git apply`` does: modified, new and deleted files; renames and
 copies, with and without edits; mode changes (also mode-only, ``100644``/``100755``);
-``\\ No newline at end of file`` on either side; CRLF lines. Refused, naming feature and
-file (:data:`REFUSALS`, also in ``docs/carry.md``): see :func:`load_carry`.
+``\\ No newline at end of file`` on either side; CRLF lines; sections without a ``diff --git``
+line and ``diff -ruN`` creations/deletions; ``git format-patch`` mail; file names quoted by
+git or in UTF-8; a ``diff --git`` line naming other files than ``---``/``+++`` (those win).
+Refused, naming feature and file (:data:`REFUSALS`, also in ``docs/carry.md``): see
+:func:`load_carry`.
 """
 
 from __future__ import annotations
@@ -265,8 +268,10 @@ def load_carry(path: Path) -> Carry:
 
     Refused (:class:`CarryRefused`, exit 6, reason named): an empty or non-diff file; binary
     diffs; symlinks and submodules; modes other than 100644/100755; zero-context (``-U0``)
-    hunks (a hunk without context is accepted only when it replaces lines from the file start); paths without ``a/``/``b/`` prefixes or quoted; non-UTF-8
-    text; one file changed twice; creating or deleting an empty file.
+    hunks (a hunk without context is accepted only when it replaces lines from the file start); paths without
+    ``a/``/``b/`` prefixes; quoted names that are malformed, not UTF-8 or hold a control
+    character; ``---``/``+++`` naming two files without rename/copy lines; non-UTF-8 text; one
+    file changed twice; creating or deleting an empty file.
 
     Raises:
         ApplyError: unreadable or unparsable; CarryRefused as above.
