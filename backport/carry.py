@@ -9,8 +9,11 @@ on the same base files, byte for byte (git itself is the reference applier).
 
 Supported exactly as ``git apply`` does: modified, new and deleted files; renames and
 copies, with and without edits; mode changes (also mode-only, ``100644``/``100755``);
-``\\ No newline at end of file`` on either side; CRLF lines. Refused, naming feature and
-file (:data:`REFUSALS`, also in ``docs/carry.md``): see :func:`load_carry`.
+``\\ No newline at end of file`` on either side; CRLF lines; sections without a ``diff --git``
+line and ``diff -ruN`` creations/deletions; ``git format-patch`` mail; file names quoted by
+git or in UTF-8; a ``diff --git`` line naming other files than ``---``/``+++`` (those win).
+Refused, naming feature and file (:data:`REFUSALS`, also in ``docs/carry.md``): see
+:func:`load_carry`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from unidiff import PatchSet
 
 from .errors import ApplyError
 from .gitenv import isolated
+from .gitpath import split_quoted, unquote
 from .workspace import (FileState, HunkLines, Workspace, anchor_line, check_tree_path, enclosing_symbol,
                         hunk_lines, split_lines, symbol_spans)
 
@@ -43,7 +47,8 @@ REFUSALS = {
     "unknown-mode": "file mode other than 100644/100755",
     "zero-context": "zero-context (-U0) hunk",
     "no-prefix": "paths without the a/ and b/ prefixes (-p1)",
-    "quoted-path": "quoted path (special characters in the file name)",
+    "quoted-path": "a quoted file name that is malformed, not UTF-8, or holds a control character",
+    "names-differ": "the --- and +++ lines name different files without a rename or copy line",
     "non-utf8": "content that is not UTF-8",
     "twice": "the same file changed twice in one patch",
     "empty-file": "creating or deleting an empty file (no hunk GNU patch could reproduce)",
@@ -105,6 +110,7 @@ class CarryFile:
         old_path, new_path: tree-relative paths (None for the absent side).
         old_mode, new_mode: git modes from the extended headers (None when not given).
         hunks: its hunks.
+        note: what the tool read differently from the section's ``diff --git`` line (a warning).
     """
 
     kind: str
@@ -113,6 +119,7 @@ class CarryFile:
     old_mode: Optional[str] = None
     new_mode: Optional[str] = None
     hunks: list = field(default_factory=list)
+    note: Optional[str] = None
 
     @property
     def path(self) -> str:
@@ -137,13 +144,94 @@ class Carry:
 def _strip(name: str, prefix: str, carry: Path) -> Optional[str]:
     if name == "/dev/null":
         return None
-    if name.startswith('"'):
-        raise CarryRefused(carry, name, "quoted-path")
+    if name.startswith('"'):  # git's C-style quoting ("a/caf\303\251.py"): undone, as git apply does
+        try:
+            name = unquote(name)
+        except ValueError as exc:
+            raise CarryRefused(carry, name, "quoted-path", str(exc)) from exc
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise CarryRefused(carry, repr(name), "quoted-path", "a control character in the file name",
+                           hint="Rename the file to a name without tabs, newlines or other control characters.")
     if name.startswith("/"):
         check_tree_path(name, None, ApplyError, what=f"carried patch {carry.name}: path", hint=_PATH_HINT)
     if not name.startswith(prefix):
         raise CarryRefused(carry, name, "no-prefix", f"expected {prefix}...")
     return name[len(prefix):]
+
+
+def _header_name(line: str, marker: str) -> str:
+    """The name on a ``---``/``+++`` line as written (quotes kept), without a date after a tab
+    or the line end."""
+    rest = line[len(marker):].rstrip("\r\n")
+    parts = split_quoted(rest)
+    return parts[0] if parts else rest.split("\t", 1)[0].rstrip("\r")
+
+
+def _diff_git_names(rest: str) -> Optional[tuple]:
+    """``(a, b)`` as written on a ``diff --git <a> <b>`` line (quotes kept); None when unreadable.
+
+    Unquoted names may hold spaces: the split is where both sides name the same file, as git
+    writes it (else at the first `` b/``)."""
+    rest = rest.rstrip("\r\n")
+    first = split_quoted(rest)
+    if first:
+        second = first[1][1:] if first[1].startswith(" ") else None
+        return (first[0], second) if second else None
+    cuts = [i for i in range(len(rest)) if rest.startswith(" b/", i) or rest.startswith(' "b/', i)]
+    same = [i for i in cuts if rest[2:i] == rest[i + 3:]]
+    cut = (same or cuts or [None])[0]
+    return (rest[:cut], rest[cut + 1:]) if cut is not None else None
+
+
+#: Lines of a ``diff --git`` section's extended header (git's ``apply.c``, parse_git_diff_header).
+_GIT_HEADERS = ("--- ", "+++ ", "old mode ", "new mode ", "deleted file mode ", "new file mode ", "copy from ",
+                "copy to ", "rename old ", "rename new ", "rename from ", "rename to ", "similarity index ",
+                "dissimilarity index ", "index ")
+
+
+def _for_unidiff(lines: list) -> tuple[list, dict]:
+    """The carry's lines as unidiff must see them: the ``---``/``+++`` names of a ``diff --git``
+    section win over its ``diff --git`` line, and its header lines lose a CRLF's ``\\r``.
+
+    ``git apply`` takes a section's file names from its ``---``/``+++`` lines when it has them
+    (the ``diff --git`` line is only the default, git's ``apply.c``), and so does GNU
+    ``patch -p1``; unidiff takes them from the ``diff --git`` line and stops ("Target without
+    source") when ``+++`` names another file. So where the two disagree, the ``diff --git`` line
+    handed to unidiff is rewritten to the ``---``/``+++`` names (the carry's bytes stay as they
+    are: git apply, the reference, reads those). unidiff's header patterns end at ``\\n``, so in
+    a carry saved with CRLF throughout it misses ``deleted file mode``/``new file mode``; the
+    ``\\r`` goes from those lines (the hunks keep theirs, for the line-endings refusal).
+
+    Returns:
+        (lines for unidiff, {1-based line number of each rewritten ``diff --git`` line: note}).
+    """
+    out, notes = list(lines), {}
+    for i, line in enumerate(lines):
+        if not line.startswith("diff --git "):
+            continue
+        old = new = None
+        for j in range(i, len(lines)):  # the extended header, as git reads it: known lines up to +++
+            header = lines[j]
+            if j > i and not header.startswith(_GIT_HEADERS):
+                break
+            if header.endswith("\r\n"):
+                out[j] = header = header[:-2] + "\n"
+            if header.startswith("--- "):
+                old = _header_name(header, "--- ")
+            elif header.startswith("+++ "):
+                new = _header_name(header, "+++ ")
+                break
+        names = _diff_git_names(line[len("diff --git "):])
+        if old is None or new is None or names is None:
+            continue
+        said = tuple(unquote(n) if split_quoted(n) else n for n in names)
+        meant = [unquote(n) if split_quoted(n) else n for n in (old, new)]
+        if all(m == "/dev/null" or m[2:] == s[2:] for m, s in zip(meant, said)):
+            continue
+        out[i] = f"diff --git {old} {new}\n"
+        notes[i + 1] = (f"its diff --git line names {said[0]} {said[1]}, its ---/+++ lines {meant[0]} {meant[1]}: "
+                        f"the ---/+++ names are used, as git apply and GNU patch do")
+    return out, notes
 
 
 def _whole_side_empty(pfile, side: str) -> bool:
@@ -180,8 +268,10 @@ def load_carry(path: Path) -> Carry:
 
     Refused (:class:`CarryRefused`, exit 6, reason named): an empty or non-diff file; binary
     diffs; symlinks and submodules; modes other than 100644/100755; zero-context (``-U0``)
-    hunks (a hunk without context is accepted only when it replaces lines from the file start); paths without ``a/``/``b/`` prefixes or quoted; non-UTF-8
-    text; one file changed twice; creating or deleting an empty file.
+    hunks (a hunk without context is accepted only when it replaces lines from the file start); paths without
+    ``a/``/``b/`` prefixes; quoted names that are malformed, not UTF-8 or hold a control
+    character; ``---``/``+++`` naming two files without rename/copy lines; non-UTF-8 text; one
+    file changed twice; creating or deleting an empty file.
 
     Raises:
         ApplyError: unreadable or unparsable; CarryRefused as above.
@@ -197,8 +287,9 @@ def load_carry(path: Path) -> Carry:
     if not raw.strip():
         raise CarryRefused(path, path.name, "not-a-patch", "it is empty",
                            hint="Pass a patch made with `git diff` against the pinned base, or drop --carry.")
+    lines, notes = _for_unidiff(split_lines(text))
     try:
-        patch = PatchSet(split_lines(text))
+        patch = PatchSet(lines)
     except Exception as exc:  # unidiff raises its own parse errors
         raise ApplyError(f"carried patch {path.name} cannot be parsed: {exc}",
                          hint="Pass a unified diff made with `git diff` against the pinned base.") from exc
@@ -215,7 +306,8 @@ def load_carry(path: Path) -> Carry:
             for key in ("old mode ", "new mode ", "new file mode ", "deleted file mode ", "rename from ",
                         "rename to ", "copy from ", "copy to "):
                 if line.startswith(key):
-                    info[key.strip()] = line[len(key):]
+                    value = line[len(key):]
+                    info[key.strip()] = _strip(value, "", path) if key.startswith(("rename", "copy")) else value
             if line.startswith("index ") and " " in line[6:]:
                 info["index mode"] = line.rsplit(" ", 1)[1]
             if line.startswith("GIT binary patch") or (line.startswith("Binary files ") and line.endswith(" differ")):
@@ -246,8 +338,16 @@ def load_carry(path: Path) -> Carry:
             kind, new = "delete", None
         else:
             kind = "modify"
+        if kind == "modify" and old != new:
+            # git apply reads this as a rename in a diff --git section and as an edit of the +++ file
+            # otherwise; GNU patch edits the --- file (when both exist): refused rather than guessed.
+            raise CarryRefused(path, new, "names-differ", f"--- names {old}, +++ names {new} (git apply and GNU "
+                               "patch read such a section differently)",
+                               hint="Name the same file on both lines for an edit, or make the rename with "
+                                    "`git diff -M` (its rename from/rename to lines say it is one).")
         cf = CarryFile(kind, old, new, old_mode=info.get("old mode") or info.get("deleted file mode"),
-                       new_mode=info.get("new mode") or info.get("new file mode"))
+                       new_mode=info.get("new mode") or info.get("new file mode"),
+                       note=notes.get(pfile.diff_line_no))
         if kind in ("add", "delete") and len(pfile) == 0:
             raise CarryRefused(path, cf.path, "empty-file")
         for n, hunk in enumerate(pfile, start=1):
@@ -354,6 +454,8 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
         return ws.get(path, base_reader)
 
     for cf in carry.files:
+        if cf.note:
+            warn(f"warning: carried patch {name}: {cf.path}: {cf.note}")
         base_text = base_reader(cf.old_path) if cf.old_path else None
         if cf.kind in ("modify", "delete", "rename", "copy") and (base_text is None or not get(cf.old_path).exists):
             raise ApplyError(f"carried patch {name}: {cf.old_path} does not exist in the base tree ({cf.kind}).",
@@ -408,8 +510,13 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
 def _compare_with_git(carry: Carry, ws: Workspace, base_tree: Path) -> None:
     ref, message = git_apply_tree(carry, base_tree)
     if ref is None:
+        crlf = any(line.startswith(b"diff --git ") and line.endswith(b"\r\n") for line in carry.raw.splitlines(True))
         raise CarryRefused(carry.source, carry.files[0].path if len(carry.files) == 1 else "(patch)",
-                           "git-apply-differs", f"git apply refuses it: {message[-400:]}")
+                           "git-apply-differs", f"git apply refuses it: {message[-400:]}"
+                           + ("; the carry's diff --git lines end in CRLF (line endings: saved by a Windows editor?)"
+                              if crlf else ""),
+                           hint="Convert the carried patch's line endings to LF (dos2unix) and carry it again."
+                           if crlf else None)
     for path, want in sorted(ref.items()):
         state = ws.files.get(path)
         have = None if state is None or not state.exists else state.text.encode("utf-8")

@@ -390,7 +390,7 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
     def once(warn=lambda _m: None):
         run = _Run(recipe, mlm, upstream_sha, hunks, base_tree, opts.carry, warn=warn)
         run.apply()
-        return run, make_patch(run.ws.changed(), header)
+        return run, make_patch(run.ws.changed(), header, base_tree)
 
     run, patch_text = once(warn=progress)
     timings["recipe_s"] = time.perf_counter() - t2

@@ -3,6 +3,7 @@ and every hunk of it attributed to the recipe step or carried hunk its lines cam
 
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 from collections import Counter
@@ -14,6 +15,7 @@ from unidiff import PatchSet
 from .errors import ApplyError
 from .upstream_lines import line_class
 from .gitenv import isolated
+from .gitpath import patch_path
 from .workspace import Workspace, split_lines
 
 GIT_ENV = {
@@ -28,16 +30,26 @@ def _git(cwd: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, encoding="utf-8").stdout
 
 
-def make_patch(files: list, header: str) -> str:
+def file_mode(path: Path) -> Optional[str]:
+    """Git mode of the regular file ``path`` (``"100755"`` when executable, else ``"100644"``);
+    None when there is no such file."""
+    return ("100755" if os.stat(path).st_mode & 0o111 else "100644") if path.is_file() else None
+
+
+def make_patch(files: list, header: str, base_tree: Path) -> str:
     """Unified git-style diff (``a/``/``b/`` prefixes, full index) of changed files.
 
     Files are written and the diff read as bytes (UTF-8), so CRLF line ends and a missing
     final newline are reproduced exactly; deleted files and carried mode changes appear as
-    git writes them (GNU patch applies both).
+    git writes them (GNU patch applies both). Each file keeps its real mode: a carried one,
+    else the base tree's (so the ``index`` lines of a 100755 file say 100755, and
+    ``git apply --check`` on the base is silent). Names are written as UTF-8, unquoted
+    (``core.quotepath=false``), as the manifest names them.
 
     Args:
         files: :class:`~backport.workspace.FileState` objects that changed, sorted by path.
         header: comment text put before the first ``diff --git`` line.
+        base_tree: the pinned base tree the files come from (their modes).
     """
     def put(path: Path, text: str, mode) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,19 +60,21 @@ def make_patch(files: list, header: str) -> str:
     with tempfile.TemporaryDirectory(prefix="gdn-diff-") as tmp:
         root = Path(tmp)
         _git(root, "init", "-q")
+        base_modes = {f.path: f.base_mode or (file_mode(base_tree / f.path) if f.exists_in_base else None)
+                      for f in files}
         for f in files:
             if f.exists_in_base:
-                put(root / f.path, "".join(f.base_lines), f.base_mode)
+                put(root / f.path, "".join(f.base_lines), base_modes[f.path])
         _git(root, "add", "-A")
         _git(root, "commit", "-q", "--allow-empty", "-m", "base")
         for f in files:
             if f.exists:
-                put(root / f.path, f.text, f.mode or f.base_mode)
+                put(root / f.path, f.text, f.mode or base_modes[f.path])
             elif (root / f.path).exists():
                 (root / f.path).unlink()
         _git(root, "add", "-A")
         env = isolated(GIT_ENV)
-        diff = subprocess.run(["git", "-c", "core.filemode=true", "diff", "--cached", "--no-color", "--no-renames",
+        diff = subprocess.run(["git", "-c", "core.filemode=true", "-c", "core.quotepath=false", "diff", "--cached", "--no-color", "--no-renames",
                                "--no-ext-diff", "--full-index", "-U3", "--src-prefix=a/", "--dst-prefix=b/"],
                               cwd=root, env=env, check=True, capture_output=True).stdout.decode("utf-8")
     return header + diff
@@ -93,7 +107,8 @@ def attribute_hunks(patch_text: str, ws: Workspace, origins: dict,
     stats = Counter()
     files = []
     for pfile in PatchSet(split_lines(patch_text)):
-        state = ws.files[pfile.path]
+        path = patch_path(pfile)
+        state = ws.files[path]
         hunks = []
         for n, hunk in enumerate(pfile, start=1):
             labels = []
@@ -114,7 +129,7 @@ def attribute_hunks(patch_text: str, ws: Workspace, origins: dict,
                 near = sorted((_neighbour_rank(label, other, origins), abs(j - i), j)
                               for j, other in enumerate(labels) if other[1] is not None and j != i)
                 if not near:
-                    raise ApplyError(f"{pfile.path}: hunk {n} has a line with no origin; attribution failed.",
+                    raise ApplyError(f"{path}: hunk {n} has a line with no origin; attribution failed.",
                                      hint="Report this: a recipe step changed a line without being recorded.")
                 label[1] = labels[near[0][2]][1]
                 stats["by_neighbour"] += 1
@@ -127,13 +142,13 @@ def attribute_hunks(patch_text: str, ws: Workspace, origins: dict,
                 if cls is not None and upstream_lines is not None:
                     rec["added_" + cls] += 1
             hunks.append({
-                "id": f"{pfile.path}#{n}",
+                "id": f"{path}#{n}",
                 "header": str(hunk).splitlines()[0],
                 "added": hunk.added, "removed": hunk.removed,
                 "origins": sorted(per.values(), key=lambda r: r["origin"]),
             })
         record = {
-            "path": pfile.path,
+            "path": path,
             "status": "added" if pfile.is_added_file else "deleted" if pfile.is_removed_file else "modified",
             "added": pfile.added, "removed": pfile.removed,
             "hunks": hunks,

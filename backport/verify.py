@@ -21,6 +21,7 @@ from pathlib import Path
 from unidiff import PatchSet
 
 from .errors import VerificationError
+from .gitpath import patch_path
 from .recipe import UpstreamFile
 from .workspace import bindings_at, new_bindings, split_lines, symbol_spans
 
@@ -86,7 +87,7 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress) -> li
     apply_patch(run.base_tree, patch, dry_run=True)
     checks.append({"check": "applies", "ok": True, "detail": "GNU patch -p1 --fuzz=0: no fuzz, no offsets"})
 
-    added = [(pf.path, line.value) for pf in PatchSet(split_lines(patch_text)) for h in pf for line in h
+    added = [(patch_path(pf), line.value) for pf in PatchSet(split_lines(patch_text)) for h in pf for line in h
              if line.is_added]
     bad = [p for p, v in added if CONFLICT.match(v)]
     if bad:

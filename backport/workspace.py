@@ -397,7 +397,7 @@ class FileState:
         where = f"{self.path}: hunk {_header(h)} of origin {origin}"
         if not matches:
             m = len(target)
-            if target != source and any(self.lines[i:i + m] == target for i in range(len(self.lines) - m + 1)):
+            if target and target != source and any(self.lines[i:i + m] == target for i in range(len(self.lines) - m + 1)):
                 raise ApplyError(f"{where} is already applied: its result is already in the file.",
                                  hint=_ALREADY_HINT)
             raise ApplyError(

@@ -461,3 +461,226 @@ def test_zero_context_insertion_at_the_top_of_a_non_empty_file_stays_refused(tmp
     with pytest.raises(ApplyError) as info:
         carried_tree(carry, repo)
     assert info.value.exit_code == 6
+
+
+# --- file names: diff --git vs ---/+++, quoting (issue 23) -----------------------------------------
+
+_TWO = {"x.py": b"a\nb\nc\n", "y.py": b"p\nq\nr\n"}
+_EDIT_Y = "--- a/y.py\n+++ b/y.py\n@@ -1,3 +1,3 @@\n p\n-q\n+Q\n r\n"
+_EDIT_X = "--- a/x.py\n+++ b/x.py\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n"
+
+
+def _base_repo(tmp: Path, files: dict) -> Path:
+    repo = tmp / "repo"
+    for rel, data in files.items():
+        _write(repo / rel, data)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "base")
+    return repo
+
+
+@pytest.mark.parametrize("text, edited", [
+    ("diff --git a/x.py b/x.py\nindex 1111111..2222222 100644\n" + _EDIT_Y, "y.py"),  # another file entirely
+    ("diff --git a/x.py b/x.py\n" + _EDIT_Y, "y.py"),                                 # no index line
+    ("diff --git a/x.py b/z.py\n" + _EDIT_X, "x.py"),                                 # only its b/ side differs
+])
+def test_diff_git_line_naming_other_paths_than_the_minus_plus_lines(tmp_path, text, edited):
+    # git apply takes the names from ---/+++ (the diff --git line is only its default), as
+    # GNU patch does; unidiff alone stopped with "Target without source". Warned by name.
+    from backport.carry import apply_carry, check_paths, read_base
+    from backport.workspace import Workspace
+
+    repo = _base_repo(tmp_path, _TWO)
+    carry = tmp_path / "names.patch"
+    carry.write_text(text)
+    loaded = load_carry(carry)
+    assert [(f.kind, f.old_path, f.new_path) for f in loaded.files] == [("modify", edited, edited)]
+    warnings = []
+    check_paths(loaded, repo)
+    apply_carry(loaded, Workspace(), lambda p: read_base(repo, p), repo, {}, warnings.append)
+    assert len(warnings) == 1 and "its diff --git line names a/x.py" in warnings[0]
+    assert f"its ---/+++ lines a/{edited} b/{edited}" in warnings[0] and "---/+++ names are used" in warnings[0]
+    ours = carried_tree(carry, repo)
+    ref, message = git_apply_tree(load_carry(carry), repo)
+    assert message == "" and ours == ref and ours[edited][0] != _TWO[edited]
+    out = subprocess.run(["git", "apply", "--check", "-v", str(carry)], cwd=repo, capture_output=True, text=True)
+    assert f"Checking patch {edited}..." in out.stderr  # git's own reading, for the record
+
+
+@pytest.mark.parametrize("git_line", ["diff --git a/x.py b/y.py\n", ""])
+def test_minus_plus_naming_two_files_without_rename_lines_is_refused(tmp_path, git_line):
+    # git apply renames x.py over y.py (diff --git section) or edits y.py (plain section), GNU
+    # patch edits x.py: the readings differ, so the tool names it instead of picking one.
+    repo = _base_repo(tmp_path, _TWO)
+    carry = tmp_path / "two.patch"
+    carry.write_text(git_line + _EDIT_X.replace("+++ b/x.py", "+++ b/y.py"))
+    exc = _refused(carry, repo)
+    assert exc.reason == "names-differ" and "--- names x.py, +++ names y.py" in exc.message
+    assert "rename from" in exc.hint
+
+
+NAME = "megatron/café ü.py"
+
+
+@pytest.mark.parametrize("quotepath", ["true", "false"])
+@pytest.mark.parametrize("dialect", ["git", "plain"])
+def test_non_ascii_file_names_quoted_or_not_carry_like_git_apply(tmp_path, quotepath, dialect):
+    # core.quotepath=true (git's default) writes "a/caf\303\251 \303\274.py"; false writes UTF-8.
+    # An edit, a creation and a rename, each with a non-ASCII name.
+    repo = _base_repo(tmp_path, {NAME: F.encode(), "megatron/é.py": b"E = 1\n"})
+    _write(repo / NAME, F.replace("x + 1", "x + 2", 1).encode())
+    _write(repo / "megatron/ñew.py", b"N = 1\n")
+    os.rename(repo / "megatron/é.py", repo / "megatron/è.py")
+    _git(repo, "add", "-A")
+    text = _git(repo, "-c", f"core.quotepath={quotepath}", "diff", "--cached", "--full-index", "-M")
+    _git(repo, "reset", "-q", "--hard")
+    assert (b'"a/megatron/caf\\303\\251 \\303\\274.py"' in text) == (quotepath == "true")
+    if dialect == "plain":  # the edit without its diff --git and index lines, as in a hand-edited patch
+        lines = text.splitlines(keepends=True)
+        at = next(i for i, line in enumerate(lines) if b"caf" in line)
+        assert lines[at].startswith(b"diff --git ") and lines[at + 1].startswith(b"index ")
+        text = b"".join(lines[:at] + lines[at + 2:])
+    carry = tmp_path / "names.patch"
+    carry.write_bytes(text)
+    loaded = load_carry(carry)
+    assert {f.path: f.kind for f in loaded.files} == {NAME: "modify", "megatron/ñew.py": "add",
+                                                      "megatron/è.py": "rename"}
+    ours = carried_tree(carry, repo)
+    ref, message = git_apply_tree(loaded, repo)
+    assert message == "" and ours == ref
+    assert ours[NAME][0] == F.replace("x + 1", "x + 2", 1).encode() and ours["megatron/é.py"] is None
+
+
+@pytest.mark.parametrize("name, why", [('"a/caf\\303.py"', "not UTF-8"), ('"a/x\\qy.py"', "malformed"),
+                                       ('"a/tab\\there.py"', "control character")])
+def test_bad_quoted_names_are_refused_by_name(tmp_path, name, why):
+    carry = tmp_path / "q.patch"
+    target = name.replace('"a/', '"b/')
+    carry.write_text(f"--- {name}\n+++ {target}\n@@ -1 +1 @@\n-x\n+y\n")
+    exc = _refused(carry, tmp_path)
+    assert exc.reason == "quoted-path" and why in exc.message
+
+
+def test_unquote_follows_gits_c_style():
+    from backport.gitpath import unquote
+
+    assert unquote('"a/caf\\303\\251.py"') == "a/café.py"
+    assert unquote('"a/q\\"uote\\\\d.py"') == 'a/q"uote\\d.py'
+    assert unquote('"a/t\\tn\\n.py"') == "a/t\tn\n.py"
+    assert unquote("a/plain é.py") == "a/plain é.py"
+    for bad in ('"a/open', '"a/x"y', '"a/\\9.py"'):
+        with pytest.raises(ValueError):
+            unquote(bad)
+
+
+@pytest.mark.parametrize("quotepath", ["true", "false"])
+def test_engine_carries_non_ascii_names_into_the_patch_and_manifest(tmp_path, recipe, make_options, quotepath):
+    # Was: accepted, then KeyError in patchfile.py (git quoted the output patch's names, the
+    # lookup used unidiff's quoted path). The output patch names files in UTF-8, as the manifest.
+    from conftest import commit, init_repo
+
+    repo = init_repo(tmp_path / "src")
+    commit(repo, {"megatron/core/ssm/gated_delta_net.py": gdn_text()}, "before")
+    _write(repo / "megatron/core/café.py", "CAFÉ = 'é'\n".encode())
+    _git(repo, "add", "-A")
+    text = _git(repo, "-c", f"core.quotepath={quotepath}", "diff", "--cached", "--full-index")
+    assert (b"\\303\\251" in text) == (quotepath == "true")
+    carry = tmp_path / "down.patch"
+    carry.write_bytes(text)
+    b = build(make_options(recipe, carry=carry))
+    assert "diff --git a/megatron/core/café.py b/megatron/core/café.py\n" in b.patch.decode()
+    assert {f["path"]: f["status"] for f in b.manifest["files"]}["megatron/core/café.py"] == "added"
+    assert "carry:megatron/core/café.py#1" in b.manifest["carry"]["hunks"]
+    assert {c["check"]: c["ok"] for c in b.manifest["verification"]}["carry_survival"]
+
+
+# --- file modes in the output patch (issue 23) -------------------------------------------------------
+
+def test_output_patch_keeps_100755_of_an_edited_executable_and_git_apply_check_is_silent(tmp_path):
+    # The index lines said 100644 for a 755 file (the base's mode was not read), so git apply
+    # --check of our own output warned "has type 100755, expected 100644".
+    from backport.carry import carry_workspace
+    from backport.patchfile import make_patch
+
+    base = {"tool.py": F.encode(), "plain.py": F.encode(), "gone.py": b"G = 1\n", "moved.py": F.encode()}
+
+    def change(r):
+        _write(r / "tool.py", F.replace("x + 1", "x + 2", 1).encode())
+        _write(r / "plain.py", F.replace("x + 1", "x + 3", 1).encode())
+        (r / "gone.py").unlink()
+        os.rename(r / "moved.py", r / "moved_to.py")
+        _write(r / "moved_to.py", F.replace("x + 1", "x + 4", 1).encode())
+
+    repo = tmp_path / "repo"
+    for rel, data in base.items():
+        _write(repo / rel, data)
+    for rel in ("tool.py", "gone.py", "moved.py"):
+        (repo / rel).chmod(0o755)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "base")
+    change(repo)
+    _git(repo, "add", "-A")
+    carry = tmp_path / "carry.patch"
+    carry.write_bytes(_git(repo, "diff", "--cached", "--full-index", "-M"))
+    _git(repo, "reset", "-q", "--hard")
+    _, ws = carry_workspace(carry, repo)
+    out = make_patch(ws.changed(), "header\n\n", repo)
+    sections = {s.split(" ", 1)[0]: s for s in out.split("diff --git a/")[1:]}
+    assert sections["tool.py"].splitlines()[1].endswith(" 100755")
+    assert sections["plain.py"].splitlines()[1].endswith(" 100644")
+    assert "deleted file mode 100755" in sections["gone.py"]
+    assert "new file mode 100755" in sections["moved_to.py"] and "deleted file mode 100755" in sections["moved.py"]
+    check = subprocess.run(["git", "apply", "--check", "-"], cwd=repo, input=out.encode(), capture_output=True)
+    assert check.returncode == 0 and check.stderr == b""
+    applied = subprocess.run(["git", "apply", "-"], cwd=repo, input=out.encode(), capture_output=True)
+    assert applied.returncode == 0 and applied.stderr == b""
+    assert os.stat(repo / "tool.py").st_mode & 0o111 and os.stat(repo / "moved_to.py").st_mode & 0o111
+
+
+# --- git format-patch mail, CRLF headers (issue 23) ---------------------------------------------------
+
+def test_format_patch_mail_carries_like_git_apply(tmp_path):
+    # From/Subject headers, a message with a "--- a/..." line and a "-- " line, the --- stat
+    # block, and the "-- \n2.x" signature trailer: the mail parts are not sections.
+    repo = _base_repo(tmp_path, {"a.py": F.encode(), "tool.py": F.encode()})
+    (repo / "tool.py").chmod(0o755)
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "exec")
+    _write(repo / "a.py", F.replace("x + 1", "x + 2", 1).encode())
+    _write(repo / "tool.py", F.replace("return y\n\n\ndef g", "return -y\n\n\ndef g").encode())
+    _write(repo / "new.py", b"N = 1\n")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m",
+         "downstream: three changes\n\nWhy, in a body line.\n--- a/not_a_file.py\n-- \nnot a signature")
+    mail = _git(repo, "format-patch", "-1", "--stdout", "--full-index")
+    _git(repo, "reset", "-q", "--hard", "HEAD~1")
+    assert mail.startswith(b"From ") and b"\nSubject: [PATCH] downstream" in mail
+    assert b"\n---\n a.py " in mail and mail.rstrip().endswith(b"\n-- \n" + mail.rstrip().rsplit(b"\n", 1)[1])
+    carry = tmp_path / "0001-downstream.patch"
+    carry.write_bytes(mail)
+    loaded = load_carry(carry)
+    assert [(f.kind, f.path) for f in loaded.files] == [("modify", "a.py"), ("add", "new.py"), ("modify", "tool.py")]
+    assert [len(f.hunks) for f in loaded.files] == [1, 1, 1]
+    ours = carried_tree(carry, repo)
+    ref, message = git_apply_tree(loaded, repo)
+    assert message == "" and ours == ref and ours["tool.py"][1] == "100755"
+
+
+def test_crlf_carry_deleting_a_file_is_refused_naming_line_endings(tmp_path):
+    # unidiff missed "deleted file mode 100644\r" and stopped with "Target without source".
+    carry, repo = make_carry(tmp_path, {"a.py": F.encode(), "b.py": b"B = 1\n"}, lambda r: (r / "b.py").unlink())
+    carry.write_bytes(carry.read_bytes().replace(b"\n", b"\r\n"))
+    assert [f.kind for f in load_carry(carry).files] == ["delete"]
+    with pytest.raises(ApplyError) as info:
+        carried_tree(carry, repo)
+    assert info.value.exit_code == 6 and "line endings differ" in info.value.message
+
+
+def test_crlf_carry_of_a_mode_change_is_refused_naming_line_endings(tmp_path):
+    # No hunk to compare; git apply refuses the CRLF header ("lacks filename information").
+    carry, repo = make_carry(tmp_path, {"a.py": F.encode()}, lambda r: (r / "a.py").chmod(0o755), ())
+    carry.write_bytes(carry.read_bytes().replace(b"\n", b"\r\n"))
+    exc = _refused(carry, repo)
+    assert exc.reason == "git-apply-differs" and "line endings" in exc.message and "dos2unix" in exc.hint
