@@ -358,6 +358,9 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
         raise PinError(
             f"MCore base pin {base_sha} differs from Megatron-Bridge {bridge_sha[:12]}'s .dev.commit ({dev_commit}).",
             hint="Pin the base to the Bridge's .dev.commit, or pass --allow-pin-mismatch to override.")
+    if dev_commit != base_sha:
+        progress(f"warning: MCore base {base_sha} differs from Megatron-Bridge {bridge_sha[:12]}'s .dev.commit "
+                 f"({dev_commit}); allowed by --allow-pin-mismatch (recorded in the manifest)")
     between = mlm.count_between(base_sha, upstream_sha)
     if between != pins.commits_between:
         raise PinError(f"{between} commits lie between base and upstream; the recipe expects {pins.commits_between}.",
@@ -412,6 +415,8 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
             "megatron_bridge": bridge_sha, "mcore_base": base_sha, "bridge_dev_commit": dev_commit,
             "upstream": upstream_sha, "upstream_ref": pins.upstream_ref, "commits_between": between,
             "prerequisites": sorted({s.commit for s in recipe.steps if isinstance(s, Transplant)}),
+            # only when --allow-pin-mismatch let another base through (the usual manifest keeps its bytes)
+            **({"pin_mismatch_allowed": True} if dev_commit != base_sha else {}),
         },
         "carry": None if opts.carry is None else {
             "name": fs_text(opts.carry.name), "sha256": carry_sha,
