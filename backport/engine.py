@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from . import __version__
 from .carry import apply_carry, check_paths, load_carry, read_base
-from .errors import ApplyError, BindingExists, PinError, PipelineError, RecipeError, SourceError
+from .errors import ApplyError, BindingExists, CacheDamaged, PinError, PipelineError, RecipeError, SourceError
 from .recipe import AddFile, Recipe, Transform, Transplant, UpstreamFile, UpstreamHunks, check_coverage, load_recipe
 from .sources import Source, open_source
 from .transforms import REGISTRY
@@ -109,6 +109,8 @@ class _Run:
         if path not in self._upstream_parent:
             try:
                 self._upstream_parent[path] = self.mlm.read(f"{self.upstream_sha}^", path).decode("utf-8")
+            except CacheDamaged:
+                raise  # the cache's fault: never placed without the symbol check instead
             except (SourceError, UnicodeDecodeError):
                 self._upstream_parent[path] = None
         return self._upstream_parent[path]

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import git
 
 from . import locks
-from .errors import PinError, SourceError
+from .errors import CacheDamaged, PinError, SourceError
 from .gitenv import isolate_gitpython, isolated
 
 DEFAULT_URLS = {
@@ -29,6 +29,27 @@ DEFAULT_URLS = {
     "megatron-bridge": "https://github.com/NVIDIA-NeMo/Megatron-Bridge.git",
 }
 ENV_VARS = {"megatron-lm": "MEGATRON_LM_REPO", "megatron-bridge": "MEGATRON_BRIDGE_REPO"}
+
+
+#: git's own words for an object store it cannot read (a damaged pack, index or loose object)
+#: (a missing object alone, "could not get object info" / "Not a valid object name", is not damage)
+_DAMAGE = re.compile(r"corrupt|inflate|cannot unpack|unable to unpack|pack checksum|index CRC|"
+                     r"bad offset|revindex|loose object|object file .* is empty|packfile .* cannot be accessed|"
+                     r"invalid object type", re.I)
+
+
+def is_damage(stderr: str) -> bool:
+    """True when git's ``stderr`` says the object store itself is damaged (not a missing commit)."""
+    return bool(_DAMAGE.search(stderr or ""))
+
+
+def git_words(exc: git.GitCommandError) -> str:
+    """git's own stderr of a failed command, on one line (GitPython's ``stderr: '...'`` wrapper removed)."""
+    text = exc.stderr if isinstance(exc.stderr, str) else (exc.stderr or b"").decode("utf-8", "replace")
+    text = text.strip()
+    if text.startswith("stderr: '") and text.endswith("'"):
+        text = text[len("stderr: '"):-1]
+    return " ".join(text.split())
 
 
 def default_cache_dir() -> Path:
@@ -53,6 +74,16 @@ class Source:
     repo: git.Repo
     cold: bool = False
 
+    def damaged(self, exc: git.GitCommandError, what: str) -> CacheDamaged:
+        """The error for a git command that failed on the cache itself: names the cache path,
+        the command, git's own words, and how to rebuild the cache (exit 3)."""
+        words = git_words(exc)[:400] or f"exit status {exc.status}"
+        cache = Path(self.repo.git_dir)
+        return CacheDamaged(
+            f"{self.name}: the cache {cache} cannot be read (damaged): `git {what}` failed: {words}",
+            hint=f"Delete the damaged cache entry (`rm -rf {cache}`; it is only a copy of {self.location}) and "
+                 "run the same command again: the next run clones it again.")
+
     def candidates(self, rev: str) -> list[str]:
         """Full SHAs of the commits that ``rev`` (a hex prefix of 4-40 digits) names."""
         if not re.fullmatch(r"[0-9a-fA-F]{4,40}", rev):
@@ -62,7 +93,9 @@ class Source:
             return [rev] if self._is_commit(rev) else []
         try:
             out = self.repo.git.rev_parse("--disambiguate=" + rev)
-        except git.GitCommandError:
+        except git.GitCommandError as exc:
+            if is_damage(exc.stderr):
+                raise self.damaged(exc, f"rev-parse --disambiguate={rev}") from exc
             return []
         return sorted(sha for sha in out.split() if self._is_commit(sha))
 
@@ -84,7 +117,9 @@ class Source:
     def _is_commit(self, sha: str) -> bool:
         try:
             return self.repo.git.cat_file("-t", sha).strip() == "commit"
-        except git.GitCommandError:
+        except git.GitCommandError as exc:
+            if is_damage(exc.stderr):
+                raise self.damaged(exc, f"cat-file -t {sha}") from exc
             return False
 
     def has_commit(self, sha: str) -> bool:
@@ -100,6 +135,8 @@ class Source:
         try:
             return self.repo.git.show(f"{sha}:{path}", stdout_as_string=False, strip_newline_in_stdout=False)
         except git.GitCommandError as exc:
+            if is_damage(exc.stderr):
+                raise self.damaged(exc, f"show {sha[:12]}:{path}") from exc
             raise SourceError(f"{self.name}: cannot read {path} at {sha[:12]}: {exc.stderr.strip()}") from exc
 
     def export(self, sha: str, path: str) -> tarfile.TarFile:
@@ -112,6 +149,8 @@ class Source:
             data = self.repo.git.archive("--format=tar", sha, path, stdout_as_string=False,
                                         strip_newline_in_stdout=False)
         except git.GitCommandError as exc:
+            if is_damage(exc.stderr):
+                raise self.damaged(exc, f"archive {sha[:12]} {path}") from exc
             raise SourceError(
                 f"{self.name}: `git archive {sha[:12]} {path}` failed: {exc.stderr.strip()[:400]}",
                 hint="The mirror lacks objects; fetch a complete mirror and pass it with "
@@ -123,17 +162,25 @@ class Source:
         """Number of commits in ``ancestor..descendant``.
 
         Raises:
-            PinError: ``ancestor`` is not an ancestor of ``descendant``.
+            PinError: ``ancestor`` is not an ancestor of ``descendant`` (git's answer: exit 1,
+                nothing on stderr).
+            SourceError: git could not answer (any other failure: a damaged cache), naming the
+                cache and git's words.
         """
         try:
             self.repo.git.merge_base("--is-ancestor", ancestor, descendant)
         except git.GitCommandError as exc:
+            if exc.status != 1 or git_words(exc):
+                raise self.damaged(exc, f"merge-base --is-ancestor {ancestor[:12]} {descendant[:12]}") from exc
             raise PinError(
                 f"{self.name}: {ancestor[:12]} is not an ancestor of {descendant[:12]}; "
                 "the upstream feature must descend from the base.",
                 hint="Check --upstream and the base pin in the recipe.",
             ) from exc
-        return int(self.repo.git.rev_list("--count", f"{ancestor}..{descendant}"))
+        try:
+            return int(self.repo.git.rev_list("--count", f"{ancestor}..{descendant}"))
+        except git.GitCommandError as exc:
+            raise self.damaged(exc, f"rev-list --count {ancestor[:12]}..{descendant[:12]}") from exc
 
 
 def is_shallow(path: "str | Path") -> bool:
