@@ -138,7 +138,35 @@ class _Run:
         text = self.shadow.get(path, self.base_text(path))
         return text if text is not None else self.base_text(path)
 
+    def _check_not_deleted_by_carry(self, step) -> None:
+        """A step that edits or takes a file the carried patch deletes (or renames away) cannot
+        run: the carry is the culprit, not the recipe.
+
+        Raises:
+            ApplyError (exit 6): naming the carry's file section, the file and the step.
+        """
+        if self.carry_model is None or isinstance(step, AddFile):
+            return
+        for path in _step_paths(step, self.hunks):
+            state = self.ws.files.get(path)
+            if state is None or state.exists or not state.exists_in_base:
+                continue
+            n, cf = next(((i, cf) for i, cf in enumerate(self.carry_model.files, start=1)
+                          if cf.old_path == path and cf.kind in ("delete", "rename")), (None, None))
+            if cf is None:
+                continue
+            gone = f"deletes {path}" if cf.kind == "delete" else f"renames {path} to {cf.new_path}"
+            verb = "takes whole from upstream" if isinstance(step, UpstreamFile) else "edits"
+            raise ApplyError(
+                f"carried patch {fs_text(self.carry.name)} {gone} (its file section {n}), a file recipe step "
+                f"{step.id} ({self._what(step)}) {verb}; the step cannot run on a file the carry removed.",
+                hint=f"Keep {path} in the carried patch (drop its {cf.kind} section, and carry only the edits "
+                     f"you need as hunks against the base); or, if the backport must do without that file, "
+                     f"use a --recipe without step {step.id} (its upstream hunks listed under `excluded:` "
+                     "with a why).")
+
     def _apply_step(self, step) -> None:
+        self._check_not_deleted_by_carry(step)
         if isinstance(step, UpstreamFile):
             content = self.mlm.read(self.upstream_sha, step.path).decode()
             state = self.file(step.path)
