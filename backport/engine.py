@@ -8,6 +8,7 @@ atomically or compares it with what is on disk. Nothing is written when any step
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 from collections import Counter
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ from .tree import assemble_base_tree
 from .options import Options, fs_text, validate
 from .patchfile import attribute_hunks, make_patch
 from .upstream import UpstreamHunk, load_hunks
-from .workspace import FileState, Workspace, bindings, bindings_at, check_tree_path, new_bindings, split_lines
+from .workspace import (FileState, Workspace, bindings, bindings_at, check_tree_path, hunk_lines, new_bindings,
+                        split_lines)
 
 ADAPTATIONS = Path(__file__).resolve().parent / "adaptations"
 
@@ -187,7 +189,10 @@ class _Run:
                 try:
                     offset = state.apply_hunk(uh.hunk, hid, **kwargs)
                 except ApplyError as exc:
-                    raise ApplyError(f"step {step.id}: {exc.message}", hint=exc.hint) from exc
+                    blame = self._carry_blocks_upstream(step, hid, kwargs, exc)
+                    if blame is not None:
+                        raise blame from exc
+                    raise ApplyError(f"step {step.id}: {exc.message}", hint=_upstream_hint(exc, step.id, hid)) from exc
                 self._check_bindings(step, uh.path, before, state.text, tags)
 
                 def on_shadow(text, uh=uh, hid=hid, kwargs=kwargs):
@@ -240,6 +245,76 @@ class _Run:
             kind = "preserved-fix" if step.kind == "fix" else "adaptation"
             self.origins[step.id] = {"kind": kind, "transform": step.transform, "adapts": step.adapts,
                                      "why": step.why, "status": status}
+
+    def _carry_blocks_upstream(self, step, hid: str, kwargs: dict, exc: ApplyError) -> Optional[ApplyError]:
+        """The error naming the carried hunk when upstream hunk ``hid`` fails only because of the
+        carry, else None (then the recipe's message stands).
+
+        The carry is the culprit when the hunk applies to the file without the carry (the base
+        after the earlier steps: the three-way merge's ancestor) and fails on the file with it.
+        The carried hunk named is the one that changed a line inside the upstream hunk's source
+        range (context and removed lines) there, found by diffing the two versions of the file;
+        when no carried change lies inside that range (the carry made the context match twice, or
+        in another symbol), every carried hunk of the file is named.
+        """
+        uh = self.hunks[hid]
+        carried = [h for h in self.carry_model.hunks if h.path == uh.path] if self.carry_model else []
+        if not carried:
+            return None
+        ancestor = self.shadow[uh.path] if uh.path in self.shadow else self.base_text(uh.path)
+        if ancestor is None:
+            return None
+        alone = FileState.from_base(uh.path, ancestor)
+        try:
+            offset = alone.apply_hunk(uh.hunk, hid, **kwargs)
+        except ApplyError:
+            return None  # fails without the carry too: the recipe's (the base's) problem
+        hl = hunk_lines(uh.hunk)
+        start = hl.header_pos + offset
+        end = start + len(hl.source)
+        state = self.file(uh.path)
+        anc, base = split_lines(ancestor), split_lines(self.base_text(uh.path) or "")
+        to_base = _line_map(anc, base)
+        first = f"{to_base(start)}-{to_base(end - 1)}"
+        own = {h.oid: h for h in carried}
+        found = None
+        matcher = difflib.SequenceMatcher(None, anc, state.lines, autojunk=False)
+        for op, i1, i2, j1, j2 in matcher.get_opcodes():
+            if op == "equal" or not (start < i1 < end if op == "insert" else i1 < end and i2 > start):
+                continue
+            old = anc[max(i1, start):min(i2, end)]
+            h = next((own[t[1]] for t in state.tags[j1:j2] if t[0] == "origin" and t[1] in own), None) or next(
+                (h for h in carried if any(ln in h.removed for ln in old)), None)
+            if h is not None:
+                found = (h, op, max(i1, start), old, state.lines[j1:j2])
+                break
+        what = f"upstream hunk {hid} ({uh.header.split(' @@')[0]} @@) of recipe step {step.id}"
+        strip = lambda ln: ln.rstrip("\r\n")  # noqa: E731
+        same = "; the carry already makes that hunk's change" if getattr(exc, "reason", "") == "already" else ""
+        if found is None:
+            ids = ", ".join(h.oid for h in carried)
+            return ApplyError(
+                f"{what} applies to {uh.path} without the carried patch but not after it ({exc.message}); "
+                f"the carried hunks of {uh.path} ({ids}) change the lines it needs (lines {first} of the base).",
+                hint=f"Edit those carried hunks (still diffs against the pinned base) so that the upstream hunk's "
+                     f"lines {first} of {uh.path} stay as in the base, or drop them; or, to keep your version, "
+                     f"move {hid} from step {step.id} to the recipe's `excluded:` list with a why (docs/carry.md).")
+        h, op, at, old, new = found
+        if op == "insert":
+            change = f"adds {strip(new[0])!r} inside lines {first}"
+        elif op == "delete":
+            change = f"removes line {to_base(at)} {strip(old[0])!r}"
+        else:
+            change = f"replaces line {to_base(at)} {strip(old[0])!r} by {strip(new[0])!r}"
+        return ApplyError(
+            f"carried hunk {h.n} of {h.path} ({h.oid}, {h.header.split(' @@')[0]} @@) {change}, inside the lines "
+            f"{what} needs as in the base (lines {first}): after the carry that hunk no longer applies verbatim "
+            f"(it applies without the carry){same}.",
+            hint=f"The carry is applied before the recipe. If the recipe's upstream hunk makes your change "
+                 f"unnecessary, drop {h.oid} from the carried patch; else edit it (still a diff against the pinned "
+                 f"base) so that it leaves lines {first} of {h.path} alone; or, to keep your version of those "
+                 f"lines, move {hid} from step {step.id} to the recipe's `excluded:` list with a why "
+                 "(docs/carry.md).")
 
     def _what(self, step) -> str:
         return f"transform {step.transform}" if getattr(step, "transform", None) else step.kind
@@ -341,6 +416,35 @@ def _step_paths(step, hunks: dict) -> list[str]:
     if isinstance(step, UpstreamHunks):
         return sorted({hunks[h].path for h in step.hunks if h in hunks})
     return [step.path] if hasattr(step, "path") else []
+
+
+def _line_map(lines: list, base: list) -> Callable[[int], int]:
+    """0-based index into ``lines`` -> 1-based line of the same text in ``base`` (the file before
+    the recipe's earlier steps), through their diff; a line the steps wrote keeps its own number."""
+    where: dict[int, int] = {}
+    for op, i1, i2, j1, _j2 in difflib.SequenceMatcher(None, lines, base, autojunk=False).get_opcodes():
+        if op == "equal":
+            where.update({i1 + k: j1 + k for k in range(i2 - i1)})
+    return lambda i: where.get(i, i) + 1
+
+
+def _upstream_hint(exc: ApplyError, step_id: str, hid: str) -> str:
+    """What to do about upstream hunk ``hid`` that does not apply to the base (no carry to blame):
+    the placement hints of :mod:`backport.workspace` are written for a carried hunk (regenerate it,
+    give it more context, drop it from the carry), which an upstream hunk cannot do."""
+    adapt = (f"take {hid} out of step {step_id} and make its change with a transform step that adapts it "
+             f"(`adapts: [{hid}]`), or move it to the recipe's `excluded:` list with a why")
+    reason = getattr(exc, "reason", "")
+    if reason == "already":
+        return (f"The pinned base already holds upstream hunk {hid}'s change: move it from step {step_id} to the "
+                "recipe's `excluded:` list with a why (e.g. 'already in the base').")
+    if reason == "elsewhere":
+        return f"At the base this code sits in another class/function than upstream's: {adapt}."
+    if reason == "twice":
+        return f"At the base the hunk's context matches several times in its class/function: {adapt}."
+    if reason == "differs":
+        return f"The base differs from upstream's parent where this hunk goes: {adapt}."
+    return exc.hint
 
 
 def _binding_hint(exc: BindingExists, oid: str, step_id: str) -> str:

@@ -63,3 +63,102 @@ def test_a_carry_deleting_a_file_a_step_needs_is_blamed_on_the_carry(tmp_path, f
                            f"{verb}; the step cannot run on a file the carry removed.")
     assert exc.hint.startswith(f"Keep {path} in the carried patch (drop its ")
     assert "update the recipe step" not in exc.hint
+
+
+# --- a carried hunk that changes lines an upstream hunk needs as in the base ----------------------
+
+UPSTREAM = "upstream hunk megatron/core/utils.py#1 (@@ -6,7 +6,7 @@) of recipe step take-utils"
+
+
+@pytest.mark.parametrize("old, new, header, change", [
+    ("    value += 1\n", "    value += 2\n", "@@ -3,7 +3,7 @@",  # the line the upstream hunk edits
+     "replaces line 6 '    value += 1' by '    value += 2'"),
+    ("    value *= 2\n", "    value *= 3\n", "@@ -4,7 +4,7 @@",  # a context line after it
+     "replaces line 7 '    value *= 2' by '    value *= 3'"),
+    ("    value = 0\n", "    value = 0\n    # downstream note\n", "@@ -3,6 +3,7 @@",  # inserted inside
+     "adds '    # downstream note' inside lines 3-9"),
+    ("def alpha():\n", "", "@@ -1,7 +1,6 @@",  # a context line removed
+     "removes line 4 'def alpha():'"),
+], ids=["edits-its-line", "edits-its-context", "inserts-inside", "removes-context"])
+def test_a_carry_overlapping_an_upstream_hunk_is_named_not_the_upstream_hunk(tmp_path, recipe, make_options,
+                                                                           old, new, header, change):
+    base = _utils()
+    assert base.count(old) == 1
+    carry = _carry(tmp_path, {UTILS: base}, {UTILS: base.replace(old, new)})
+    exc = _refusal(make_options, recipe, carry)
+    assert exc.message == (
+        f"carried hunk 1 of {UTILS} (carry:{UTILS}#1, {header}) {change}, inside the lines {UPSTREAM} needs as in "
+        "the base (lines 3-9): after the carry that hunk no longer applies verbatim (it applies without the carry).")
+    assert exc.hint.startswith("The carry is applied before the recipe. If the recipe's upstream hunk makes your "
+                               f"change unnecessary, drop carry:{UTILS}#1 from the carried patch; else edit it")
+    assert f"leaves lines 3-9 of {UTILS} alone" in exc.hint
+    assert f"move {UTILS}#1 from step take-utils to the recipe's `excluded:` list" in exc.hint
+    assert "Regenerate" not in exc.hint and "update the recipe step" not in exc.hint
+
+
+def test_a_carry_making_the_upstream_change_itself_says_so(tmp_path, recipe, make_options):
+    base = _utils()
+    carry = _carry(tmp_path, {UTILS: base}, {UTILS: base.replace("value += 1\n", "value += 10\n")})
+    exc = _refusal(make_options, recipe, carry)
+    assert exc.message.startswith(f"carried hunk 1 of {UTILS} (carry:{UTILS}#1, @@ -3,7 +3,7 @@) replaces line 6")
+    assert exc.message.endswith("(it applies without the carry); the carry already makes that hunk's change.")
+
+
+@pytest.mark.parametrize("old, new", [
+    ("    return 0\n", "    return 100\n"),  # line 12, three lines after the upstream hunk's last
+    ("    return value\n\n\n", "    return value\n\n# note\n\n"),  # inserted right after its last line (9)
+], ids=["three-lines-after", "right-after"])
+def test_a_carry_editing_next_to_the_upstream_hunk_but_outside_its_lines_carries(tmp_path, recipe, make_options,
+                                                                                old, new):
+    base = _utils()
+    assert base.count(old) == 1
+    carry = _carry(tmp_path, {UTILS: base}, {UTILS: base.replace(old, new)})
+    b = build(make_options(recipe, carry=carry))
+    assert b.manifest["origins"][f"carry:{UTILS}#1"]["status"] == "applied"
+    assert b.manifest["origins"][f"{UTILS}#1"]["kind"] == "upstream-verbatim"
+
+
+# --- without the carry to blame, the recipe's message stays (with a hint for an upstream hunk) ----
+
+def _run_on(tmp_path, fake_repos, make_options, recipe, utils_text, carry=None):
+    """The recipe run in memory on a copy of the fake base tree whose utils.py is ``utils_text``."""
+    import shutil
+
+    from backport import engine
+    from backport.recipe import load_recipe
+    from backport.sources import open_source
+    from backport.upstream import load_hunks
+
+    base_tree = build(make_options(recipe)).base_tree
+    tree = tmp_path / "base-copy"
+    shutil.copytree(base_tree, tree)
+    (tree / UTILS).write_text(utils_text)
+    mlm = open_source("megatron-lm", str(fake_repos.mlm), tmp_path / "cache")
+    hunks = {h.id: h for h in load_hunks(mlm, fake_repos.upstream)}
+    run = engine._Run(load_recipe(recipe)[0], mlm, fake_repos.upstream, hunks, tree, carry)
+    with pytest.raises(ApplyError) as exc:
+        run.apply()
+    assert exc.value.exit_code == 6
+    return exc.value
+
+
+def test_an_upstream_hunk_the_base_breaks_keeps_the_recipe_message_with_an_upstream_hint(tmp_path, fake_repos,
+                                                                                       make_options, recipe):
+    moved = _utils(alpha="value += 7")
+    exc = _run_on(tmp_path, fake_repos, make_options, recipe, moved)
+    assert exc.message.startswith(f"step take-utils: {UTILS}: hunk at line 6 (import sys) of origin {UTILS}#1 does "
+                                  "not apply with zero fuzz")
+    assert exc.hint.startswith(f"The base differs from upstream's parent where this hunk goes: take {UTILS}#1 out "
+                               "of step take-utils and make its change with a transform step")
+    # a carry on that file that does not touch those lines is not blamed: the hunk fails without it too
+    carry = _carry(tmp_path, {UTILS: moved}, {UTILS: moved.replace("    return 0\n", "    return 100\n")})
+    again = _run_on(tmp_path / "with-carry", fake_repos, make_options, recipe, moved, carry)
+    assert again.message == exc.message and again.hint == exc.hint
+
+
+def test_an_upstream_hunk_already_in_the_base_is_told_to_be_excluded_not_dropped_from_a_carry(
+        tmp_path, fake_repos, make_options, recipe):
+    exc = _run_on(tmp_path, fake_repos, make_options, recipe, _utils(alpha="value += 10"))
+    assert "is already applied: its result is already in the file" in exc.message
+    assert exc.hint == (f"The pinned base already holds upstream hunk {UTILS}#1's change: move it from step "
+                        "take-utils to the recipe's `excluded:` list with a why (e.g. 'already in the base').")
