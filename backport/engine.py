@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,6 +236,11 @@ class _Run:
             except BindingExists as exc:
                 self._binding_conflict(step, step.path, state.text, state.tags, exc)
                 raise
+            except ApplyError as exc:
+                blame = self._carry_blocks_transform(step, fn, exc)
+                if blame is not None:
+                    raise blame from exc
+                raise
             before, tags = state.text, list(state.tags)
             changed = state.replace_text(self._merge_carry(step, state.text, result.text), step.id)
             self._check_bindings(step, step.path, before, state.text, tags)
@@ -315,6 +321,40 @@ class _Run:
                  f"base) so that it leaves lines {first} of {h.path} alone; or, to keep your version of those "
                  f"lines, move {hid} from step {step.id} to the recipe's `excluded:` list with a why "
                  "(docs/carry.md).")
+
+    def _carry_blocks_transform(self, step, fn, exc: ApplyError) -> Optional[ApplyError]:
+        """The error naming the carried hunk when transform step ``step`` fails (its anchor gone)
+        only because of the carry, else None (then the transform's message stands).
+
+        The carry is the culprit when the transform's refusal blames the recipe (the default
+        hint) and the transform runs on the file without the carry (the three-way merge's ancestor). The hunk named is the one whose removed lines hold a name
+        or code the message quotes (the anchor), else every carried hunk of the file.
+        """
+        path = step.path
+        carried = [h for h in self.carry_model.hunks if h.path == path] if self.carry_model else []
+        if exc.hint != ApplyError.default_hint:
+            return None  # the transform already names its culprit (e.g. a form of the user's it will not replace)
+        if not carried or (path in self.shadow and self.shadow[path] is None):
+            return None
+        ancestor = self.shadow.get(path, self.base_text(path))
+        if ancestor is None:
+            return None
+        try:
+            fn(ancestor, path)
+        except PipelineError:
+            return None  # fails without the carry too: the recipe's (the base's) problem
+        quoted = [a or b for a, b in re.findall(r"`([^`]+)`|'([^']+)'", exc.message)]
+        named = [h for h in carried if any(q in ln for q in quoted for ln in h.removed)] or carried
+        which = ", ".join(f"carried hunk {h.n} of {h.path} ({h.oid}, {h.header.split(' @@')[0]} @@)" for h in named)
+        ids = ", ".join(h.oid for h in named)
+        return ApplyError(
+            f"{which} {'removes or changes' if len(named) == 1 else 'remove or change'} what recipe step {step.id} "
+            f"({self._what(step)}) anchors on: {exc.message.rstrip('.')}; the step runs on {path} without the "
+            "carried patch.",
+            hint=f"Edit {ids} (still a diff against the pinned base) so that it keeps the step's anchor as in the "
+                 f"base, or drop it: step {step.id} makes its own change there. If your hunk already makes that "
+                 f"change, run with a --recipe without step {step.id} (the upstream hunks it adapts listed under "
+                 "`excluded:` with a why).")
 
     def _what(self, step) -> str:
         return f"transform {step.transform}" if getattr(step, "transform", None) else step.kind

@@ -120,8 +120,8 @@ def test_a_carry_editing_next_to_the_upstream_hunk_but_outside_its_lines_carries
 
 # --- without the carry to blame, the recipe's message stays (with a hint for an upstream hunk) ----
 
-def _run_on(tmp_path, fake_repos, make_options, recipe, utils_text, carry=None):
-    """The recipe run in memory on a copy of the fake base tree whose utils.py is ``utils_text``."""
+def _run_on(tmp_path, fake_repos, make_options, recipe, utils_text, carry=None, path=UTILS):
+    """The recipe run in memory on a copy of the fake base tree whose ``path`` is ``utils_text``."""
     import shutil
 
     from backport import engine
@@ -132,7 +132,7 @@ def _run_on(tmp_path, fake_repos, make_options, recipe, utils_text, carry=None):
     base_tree = build(make_options(recipe)).base_tree
     tree = tmp_path / "base-copy"
     shutil.copytree(base_tree, tree)
-    (tree / UTILS).write_text(utils_text)
+    (tree / path).write_text(utils_text)
     mlm = open_source("megatron-lm", str(fake_repos.mlm), tmp_path / "cache")
     hunks = {h.id: h for h in load_hunks(mlm, fake_repos.upstream)}
     run = engine._Run(load_recipe(recipe)[0], mlm, fake_repos.upstream, hunks, tree, carry)
@@ -162,3 +162,30 @@ def test_an_upstream_hunk_already_in_the_base_is_told_to_be_excluded_not_dropped
     assert "is already applied: its result is already in the file" in exc.message
     assert exc.hint == (f"The pinned base already holds upstream hunk {UTILS}#1's change: move it from step "
                         "take-utils to the recipe's `excluded:` list with a why (e.g. 'already in the base').")
+
+
+# --- a carry that removes what a transform step anchors on ----------------------------------------
+
+def test_a_carry_removing_a_transforms_anchor_is_named_not_the_recipe(tmp_path, recipe, make_options):
+    base = gdn_text()
+    carry = _carry(tmp_path, {GDN: base},
+                   {GDN: base.replace("def get_parameter_local_cp(", "def get_parameter_local_cp_v2(")})
+    exc = _refusal(make_options, recipe, carry)
+    assert exc.message == (
+        f"carried hunk 1 of {GDN} (carry:{GDN}#1, @@ -25,7 +25,7 @@) removes or changes what recipe step "
+        f"adapt-none-group (transform gdn_local_cp_none_group) anchors on: {GDN}: anchor function "
+        f"'get_parameter_local_cp' not found; the step runs on {GDN} without the carried patch.")
+    assert exc.hint.startswith(f"Edit carry:{GDN}#1 (still a diff against the pinned base) so that it keeps the "
+                               "step's anchor as in the base, or drop it")
+    assert "update the recipe step" not in exc.hint
+
+
+def test_a_transform_whose_anchor_the_base_lacks_keeps_the_recipe_message_with_or_without_a_carry(
+        tmp_path, fake_repos, make_options, recipe):
+    moved = gdn_text().replace("def get_parameter_local_cp(", "def local_cp_slice(")
+    exc = _run_on(tmp_path, fake_repos, make_options, recipe, moved, path=GDN)
+    assert exc.message == f"{GDN}: anchor function 'get_parameter_local_cp' not found."
+    assert exc.hint == ApplyError.default_hint  # the base changed under the recipe: update the step
+    carry = _carry(tmp_path, {GDN: moved}, {GDN: moved.replace("cp_rank = cp_group.rank()", "cp_rank = 0")})
+    again = _run_on(tmp_path / "with-carry", fake_repos, make_options, recipe, moved, carry, path=GDN)
+    assert (again.message, again.hint) == (exc.message, exc.hint)
