@@ -174,7 +174,17 @@ class _Run:
             content = self.mlm.read(self.upstream_sha, step.path).decode()
             state = self.file(step.path)
             if state.exists_in_base and state.text == content:
-                raise ApplyError(f"step {step.id}: {step.path} is already identical to upstream at the base.")
+                mine = [h.oid for h in self._live_hunks(step.path)]
+                if mine and self.base_text(step.path) != content:  # the carry made it upstream's file
+                    raise ApplyError(
+                        f"carried patch {fs_text(self.carry.name)} makes {step.path} identical to upstream's file "
+                        f"({', '.join(mine)}), which recipe step {step.id} (upstream_file) takes whole; the step "
+                        "would change nothing.",
+                        hint=f"Drop {step.path} from the carried patch: step {step.id} takes the same file from "
+                             "upstream.")
+                raise ApplyError(f"step {step.id}: {step.path} is already identical to upstream at the base.",
+                                 hint=f"Take step {step.id} out of the recipe and list its hunks under `excluded:` "
+                                      "with a why (e.g. 'already in the base').")
             self._check_whole_file(step, state.text, content)
             state.replace_text(content, step.hunks[0])
             self._shadow_step(step.path, lambda _t: content)

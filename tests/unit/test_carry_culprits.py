@@ -189,3 +189,19 @@ def test_a_transform_whose_anchor_the_base_lacks_keeps_the_recipe_message_with_o
     carry = _carry(tmp_path, {GDN: moved}, {GDN: moved.replace("cp_rank = cp_group.rank()", "cp_rank = 0")})
     again = _run_on(tmp_path / "with-carry", fake_repos, make_options, recipe, moved, carry, path=GDN)
     assert (again.message, again.hint) == (exc.message, exc.hint)
+
+
+# --- upstream_file over a file the carry already made upstream's ---------------------------------
+
+def test_a_carry_making_a_file_upstreams_names_the_carry_not_the_base(tmp_path, fake_repos, make_options):
+    data = recipe_data(fake_repos)
+    _take_utils_whole(data)
+    recipe = write_recipe(tmp_path / "r.yaml", data)
+    upstream = _utils(prefix="\nimport os\nimport sys\n", alpha="value += 10", omega="return total + 0")
+    carry = _carry(tmp_path, {UTILS: _utils()}, {UTILS: upstream})
+    exc = _refusal(make_options, recipe, carry)
+    assert exc.message.startswith(f"carried patch down.patch makes {UTILS} identical to upstream's file (carry:{UTILS}#1")
+    assert exc.message.endswith("which recipe step take-utils (upstream_file) takes whole; the step would change "
+                                "nothing.")
+    assert exc.hint == f"Drop {UTILS} from the carried patch: step take-utils takes the same file from upstream."
+    assert "at the base" not in exc.message
