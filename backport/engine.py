@@ -278,6 +278,13 @@ class _Run:
         if not carried:
             return None
         ancestor = self.shadow[uh.path] if uh.path in self.shadow else self.base_text(uh.path)
+        if ancestor is None and getattr(exc, "reason", "") == "exists" and self.base_text(uh.path) is None:
+            ids = ", ".join(h.oid for h in carried)
+            return ApplyError(
+                f"carried patch {fs_text(self.carry.name)} adds {uh.path} ({ids}), a file upstream hunk {hid} of "
+                f"recipe step {step.id} creates; the upstream hunk cannot create it again.",
+                hint=f"Drop {uh.path} from the carried patch: step {step.id} creates it from upstream; or, to keep "
+                     f"your file instead, move {hid} to the recipe's `excluded:` list with a why (docs/carry.md).")
         if ancestor is None:
             return None
         alone = FileState.from_base(uh.path, ancestor)
@@ -307,6 +314,10 @@ class _Run:
         what = f"upstream hunk {hid} ({uh.header.split(' @@')[0]} @@) of recipe step {step.id}"
         strip = lambda ln: ln.rstrip("\r\n")  # noqa: E731
         same = "; the carry already makes that hunk's change" if getattr(exc, "reason", "") == "already" else ""
+        if found is not None and self.origins.get(found[0].oid, {}).get("status") == "superseded":
+            same += (f"; the recipe's `superseded` entry for {found[0].oid} does not help here: an upstream_hunks step "
+                     "applies upstream's hunk verbatim to the carried file (superseded works for steps that rewrite "
+                     "a function)")
         if found is None:
             ids = ", ".join(h.oid for h in carried)
             return ApplyError(
@@ -485,6 +496,9 @@ def _upstream_hint(exc: ApplyError, step_id: str, hid: str) -> str:
     adapt = (f"take {hid} out of step {step_id} and make its change with a transform step that adapts it "
              f"(`adapts: [{hid}]`), or move it to the recipe's `excluded:` list with a why")
     reason = getattr(exc, "reason", "")
+    if reason == "exists":
+        return (f"The pinned base already has the file upstream hunk {hid} creates: take the file with an "
+                f"`upstream_file` step, or move {hid} to the recipe's `excluded:` list with a why.")
     if reason == "already":
         return (f"The pinned base already holds upstream hunk {hid}'s change: move it from step {step_id} to the "
                 "recipe's `excluded:` list with a why (e.g. 'already in the base').")

@@ -386,7 +386,7 @@ class FileState:
         expected = h.header_pos + self.last_offset
         if not source:
             if self.lines and self.exists:
-                raise ApplyError(f"{self.path}: hunk of origin {origin} creates a file that already exists.")
+                raise _refused(f"{self.path}: hunk of origin {origin} creates a file that already exists.", "exists")
             self._splice(0, 0, target, origin)
             self.exists = True
             return 0
@@ -451,7 +451,7 @@ class FileState:
 
 
 def _refused(message: str, reason: str, hint: Optional[str] = None) -> ApplyError:
-    """A placement refusal; ``reason`` (``already``, ``differs``, ``elsewhere``, ``twice``) lets the
+    """A placement refusal; ``reason`` (``exists``, ``already``, ``differs``, ``elsewhere``, ``twice``) lets the
     caller give a hint that fits the hunk's origin (the hints here are written for a carried hunk)."""
     exc = ApplyError(message, hint=hint)
     exc.reason = reason

@@ -205,3 +205,54 @@ def test_a_carry_making_a_file_upstreams_names_the_carry_not_the_base(tmp_path, 
                                 "nothing.")
     assert exc.hint == f"Drop {UTILS} from the carried patch: step take-utils takes the same file from upstream."
     assert "at the base" not in exc.message
+
+
+def test_a_superseded_entry_for_the_overlapping_hunk_is_said_not_to_apply(tmp_path, fake_repos, make_options):
+    data = recipe_data(fake_repos)
+    data["superseded"] = [{"hunk": f"carry:{UTILS}#1", "step": "take-utils", "why": "upstream makes the same change"}]
+    recipe = write_recipe(tmp_path / "r.yaml", data)
+    base = _utils()
+    carry = _carry(tmp_path, {UTILS: base}, {UTILS: base.replace("value += 1\n", "value += 2\n")})
+    exc = _refusal(make_options, recipe, carry)
+    assert exc.message.startswith(f"carried hunk 1 of {UTILS} (carry:{UTILS}#1, @@ -3,7 +3,7 @@) replaces line 6")
+    assert f"the recipe's `superseded` entry for carry:{UTILS}#1 does not help here" in exc.message
+
+
+def test_a_carry_adding_a_file_an_upstream_hunk_creates_names_the_carry(tmp_path, fake_repos, make_options):
+    layout = "megatron/core/context_parallel_layout.py"
+    data = recipe_data(fake_repos)
+    data["steps"][0] = {"id": "take-layout", "kind": "upstream_hunks", "hunks": [f"{layout}#1"],
+                        "why": "the new upstream module applied as a hunk"}
+    recipe = write_recipe(tmp_path / "r.yaml", data)
+    carry = _carry(tmp_path, {"megatron/core/x.py": "X = 1\n"}, {"megatron/core/x.py": "X = 1\n", layout: "MINE = 1\n"})
+    exc = _refusal(make_options, recipe, carry)
+    assert exc.message == (f"carried patch down.patch adds {layout} (carry:{layout}#1), a file upstream hunk {layout}#1 "
+                           "of recipe step take-layout creates; the upstream hunk cannot create it again.")
+    assert exc.hint.startswith(f"Drop {layout} from the carried patch: step take-layout creates it from upstream")
+
+
+@pytest.mark.parametrize("text, reason, starts", [
+    ("x = 1\n", "exists", "The pinned base already has the file upstream hunk p.py#1 creates"),
+    ('def f():\n    a = 1\n    b = 2\n    c = 3\n', "elsewhere", "At the base this code sits in another class"),
+    ('def g():\n    a = 1\n    b = 2\n    c = 3\n    a = 1\n    b = 2\n    c = 3\n', "twice",
+     "At the base the hunk's context matches several times"),
+], ids=["exists", "elsewhere", "twice"])
+def test_upstream_hunk_placement_refusals_get_a_recipe_hint_not_a_carry_hint(text, reason, starts):
+    from unidiff import PatchSet
+
+    from backport.engine import _upstream_hint
+    from backport.workspace import FileState
+
+    if reason == "exists":
+        diff = "--- /dev/null\n+++ b/p.py\n@@ -0,0 +1 @@\n+y = 2\n"
+        symbol = None
+    else:
+        diff = "--- a/p.py\n+++ b/p.py\n@@ -2,3 +2,3 @@ def g():\n     a = 1\n-    b = 2\n+    b = 20\n     c = 3\n"
+        symbol = "g"
+    (hunk,) = [h for f in PatchSet(diff) for h in f]
+    with pytest.raises(ApplyError) as exc:
+        FileState.from_base("p.py", text).apply_hunk(hunk, "p.py#1", source_symbol=symbol)
+    assert exc.value.reason == reason
+    hint = _upstream_hint(exc.value, "take-p", "p.py#1")
+    assert hint.startswith(starts) and "excluded:" in hint
+    assert "carried patch" not in hint and "-U5" not in hint and "Regenerate" not in hint
