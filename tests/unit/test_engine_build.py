@@ -150,6 +150,13 @@ def test_allow_pin_mismatch_accepts_another_dev_commit(tmp_path, fake_repos, mak
     assert f"| Megatron-Bridge .dev.commit (not used as the base) | `{fake_repos.i1}` |" in md
     assert any(m.startswith("warning: MCore base ") and fake_repos.i1 in m and "--allow-pin-mismatch" in m
                for m in said)
+    from rich.console import Console
+
+    from backport.cli import _summary_table
+    console = Console(record=True, width=200)
+    console.print(_summary_table(b.manifest, [], "run"))
+    assert f"mcore base is not Bridge's .dev.commit {fake_repos.i1[:12]} (allowed by --allow-pin-mismatch)" in (
+        console.export_text())
 
 
 def test_matching_pins_keep_the_one_row_label_and_no_mismatch_key(built):
