@@ -13,6 +13,7 @@ import io
 import os
 import re
 import shutil
+import subprocess
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,7 +263,10 @@ def open_source(
                 raise _shallow_error(name, location)
             os.rename(tmp, cache)
             cold = True
-        repo = git.Repo(cache)
+        try:
+            repo = git.Repo(cache)
+        except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
+            raise _unreadable_cache(name, cache, location) from exc
         isolate_gitpython(repo)
         source = Source(name=name, location=location, repo=repo, cold=cold)
         missing = [rev for rev in needed if not _present(source, rev)]
@@ -289,6 +293,18 @@ def open_source(
                                hint="Check the SHA (a typo, or a commit of another repository?), or point "
                                     f"--{name} at a mirror that has it.")
     return source
+
+
+def _unreadable_cache(name: str, cache: Path, location: str) -> CacheDamaged:
+    """The error for a cache entry git does not take for a repository at all (HEAD or objects/
+    damaged or gone), quoting git's own words (``git rev-parse --git-dir`` there)."""
+    proc = subprocess.run(["git", "-C", str(cache), "rev-parse", "--git-dir"], capture_output=True,
+                          env=isolated({"GIT_CEILING_DIRECTORIES": str(cache.parent)}))
+    words = " ".join(proc.stderr.decode("utf-8", "replace").split())[:400] or "GitPython does not open it"
+    return CacheDamaged(
+        f"{name}: the cache {cache} cannot be read (damaged): it is not a git repository any more: {words}",
+        hint=f"Delete the damaged cache entry (`rm -rf {cache}`; it is only a copy of {location}) and run the same "
+             "command again: the next run clones it again.")
 
 
 def _present(source: Source, rev: str) -> bool:

@@ -290,3 +290,20 @@ def test_a_damaged_cache_through_the_cli_exits_3_naming_it_and_a_rebuild_works(f
     shutil.rmtree(cache / "megatron-lm.git")  # the hint's own route: delete the entry, run the same command
 
     assert CliRunner().invoke(cli, args).exit_code == 0
+
+
+@pytest.mark.parametrize("damage", ["HEAD", "objects"])
+def test_a_cache_entry_git_no_longer_opens_is_named_not_a_bug(fake_repos, tmp_path, damage):
+    cache = tmp_path / "cache"
+    open_source("megatron-lm", str(fake_repos.mlm), cache, (fake_repos.upstream,))
+    entry = cache / "megatron-lm.git"
+    if damage == "HEAD":
+        (entry / "HEAD").write_text("garbage\n")
+    else:
+        shutil.rmtree(entry / "objects")
+    with pytest.raises(CacheDamaged) as exc:
+        open_source("megatron-lm", str(fake_repos.mlm), cache, (fake_repos.upstream,))
+    assert exc.value.exit_code == 3
+    assert exc.value.message.startswith(f"megatron-lm: the cache {entry} cannot be read (damaged): it is not a git "
+                                        "repository any more: fatal: not a git repository")
+    assert f"rm -rf {entry}" in exc.value.hint
