@@ -13,7 +13,7 @@ import pytest
 from backport.engine import build
 from backport.errors import ApplyError
 
-from conftest import _utils, gdn_text, git_diff, recipe_data, write_recipe
+from conftest import PACKED, _utils, gdn_text, git_diff, recipe_data, write_recipe
 
 pytestmark = pytest.mark.usefixtures("engine_env")
 
@@ -49,7 +49,9 @@ def _take_utils_whole(data):
     (UTILS, _utils(), {UTILS: None, "megatron/core/utils2.py": _utils()}, None, "take-utils (upstream_hunks)",
      "edits"),
     (UTILS, _utils(), {UTILS: None}, _take_utils_whole, "take-utils (upstream_file)", "takes whole from upstream"),
-], ids=["upstream-hunks", "transform", "renamed-away", "upstream-file"])
+    ("megatron/core/packed_seq_params.py", PACKED, {"megatron/core/packed_seq_params.py": None}, None,
+     "prereq-resolve (transplant)", "edits"),
+], ids=["upstream-hunks", "transform", "renamed-away", "upstream-file", "transplant"])
 def test_a_carry_deleting_a_file_a_step_needs_is_blamed_on_the_carry(tmp_path, fake_repos, make_options,
                                                                      path, text, after, edit, step, verb):
     data = recipe_data(fake_repos)
