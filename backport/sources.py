@@ -138,7 +138,7 @@ class Source:
         except git.GitCommandError as exc:
             if is_damage(exc.stderr):
                 raise self.damaged(exc, f"show {sha[:12]}:{path}") from exc
-            raise SourceError(f"{self.name}: cannot read {path} at {sha[:12]}: {exc.stderr.strip()}") from exc
+            raise SourceError(f"{self.name}: cannot read {path} at {sha[:12]}: {git_words(exc)}") from exc
 
     def export(self, sha: str, path: str) -> tarfile.TarFile:
         """A tar archive of ``path`` at ``sha`` (``git archive``), opened for reading.
@@ -153,7 +153,7 @@ class Source:
             if is_damage(exc.stderr):
                 raise self.damaged(exc, f"archive {sha[:12]} {path}") from exc
             raise SourceError(
-                f"{self.name}: `git archive {sha[:12]} {path}` failed: {exc.stderr.strip()[:400]}",
+                f"{self.name}: `git archive {sha[:12]} {path}` failed: {git_words(exc)[:400]}",
                 hint="The mirror lacks objects; fetch a complete mirror and pass it with "
                 f"--{self.name} (or {ENV_VARS[self.name]}).",
             ) from exc
@@ -257,7 +257,7 @@ def open_source(
                 git.Repo.clone_from(location, tmp, bare=True, env=isolated())
             except git.GitCommandError as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise SourceError(f"{name}: clone of {location} failed: {exc.stderr.strip()[:400]}") from exc
+                raise SourceError(f"{name}: clone of {location} failed: {git_words(exc)[:400]}") from exc
             if is_shallow(tmp):
                 shutil.rmtree(tmp)
                 raise _shallow_error(name, location)
@@ -282,7 +282,7 @@ def open_source(
             try:
                 repo.git.fetch(location, "+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*", "--prune")
             except git.GitCommandError as exc:
-                raise SourceError(f"{name}: fetch from {location} failed: {exc.stderr.strip()[:400]}") from exc
+                raise SourceError(f"{name}: fetch from {location} failed: {git_words(exc)[:400]}") from exc
             if is_shallow(cache):
                 shutil.rmtree(cache)
                 raise _shallow_error(name, location)

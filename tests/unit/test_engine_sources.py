@@ -181,6 +181,8 @@ def test_read_of_an_absent_path_is_source_error(mlm, fake_repos, path):
     with pytest.raises(SourceError, match="cannot read") as exc:
         mlm.read(fake_repos.base, path)
     assert exc.value.exit_code == 3
+    assert not isinstance(exc.value, CacheDamaged)  # an absent path is not a damaged cache
+    assert ": fatal: " in exc.value.message and "stderr: '" not in exc.value.message  # git's words, unwrapped
 
 
 def test_export_of_an_absent_path_is_source_error(mlm, fake_repos):
