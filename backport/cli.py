@@ -43,6 +43,9 @@ def _summary_table(m: dict, written: list, mode: str, timings: Optional[dict] = 
     p = m["pins"]
     table.add_row("upstream", f"{p['upstream']} ({p['upstream_ref']})")
     table.add_row("base", f"bridge {p['megatron_bridge'][:12]} + mcore {p['mcore_base'][:12]} ({p['commits_between']} commits before upstream)")
+    if p.get("bridge_dev_commit", p["mcore_base"]) != p["mcore_base"]:
+        table.add_row("pin mismatch", f"mcore base is not Bridge's .dev.commit {p['bridge_dev_commit'][:12]} "
+                                      "(allowed by --allow-pin-mismatch)")
     table.add_row("upstream hunks", ", ".join(f"{k} {v}" for k, v in m["upstream_summary"].items()) + f" (of {len(m['upstream_hunks'])})")
     kinds: dict = {}
     for f in m["files"]:

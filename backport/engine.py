@@ -8,7 +8,9 @@ atomically or compares it with what is on disk. Nothing is written when any step
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Callable, Optional
 
 from . import __version__
 from .carry import apply_carry, check_paths, load_carry, read_base
-from .errors import ApplyError, BindingExists, PinError, PipelineError, RecipeError, SourceError
+from .errors import ApplyError, BindingExists, CacheDamaged, PinError, PipelineError, RecipeError, SourceError
 from .recipe import AddFile, Recipe, Transform, Transplant, UpstreamFile, UpstreamHunks, check_coverage, load_recipe
 from .sources import Source, open_source
 from .transforms import REGISTRY
@@ -27,7 +29,8 @@ from .options import Options, fs_text, validate
 from .patchfile import attribute_hunks, make_patch
 from .upstream_lines import beyond_upstream_rows, origin_line_totals, upstream_line_sets
 from .upstream import UpstreamHunk, load_hunks
-from .workspace import FileState, Workspace, bindings, bindings_at, check_tree_path, new_bindings, split_lines
+from .workspace import (FileState, Workspace, bindings, bindings_at, check_tree_path, hunk_lines, new_bindings,
+                        split_lines)
 
 ADAPTATIONS = Path(__file__).resolve().parent / "adaptations"
 
@@ -110,6 +113,8 @@ class _Run:
         if path not in self._upstream_parent:
             try:
                 self._upstream_parent[path] = self.mlm.read(f"{self.upstream_sha}^", path).decode("utf-8")
+            except CacheDamaged:
+                raise  # the cache's fault: never placed without the symbol check instead
             except (SourceError, UnicodeDecodeError):
                 self._upstream_parent[path] = None
         return self._upstream_parent[path]
@@ -137,12 +142,50 @@ class _Run:
         text = self.shadow.get(path, self.base_text(path))
         return text if text is not None else self.base_text(path)
 
+    def _check_not_deleted_by_carry(self, step) -> None:
+        """A step that edits or takes a file the carried patch deletes (or renames away) cannot
+        run: the carry is the culprit, not the recipe.
+
+        Raises:
+            ApplyError (exit 6): naming the carry's file section, the file and the step.
+        """
+        if self.carry_model is None or isinstance(step, AddFile):
+            return
+        for path in _step_paths(step, self.hunks):
+            state = self.ws.files.get(path)
+            if state is None or state.exists or not state.exists_in_base:
+                continue
+            n, cf = next(((i, cf) for i, cf in enumerate(self.carry_model.files, start=1)
+                          if cf.old_path == path and cf.kind in ("delete", "rename")), (None, None))
+            if cf is None:
+                continue
+            gone = f"deletes {path}" if cf.kind == "delete" else f"renames {path} to {cf.new_path}"
+            verb = "takes whole from upstream" if isinstance(step, UpstreamFile) else "edits"
+            raise ApplyError(
+                f"carried patch {fs_text(self.carry.name)} {gone} (its file section {n}), a file recipe step "
+                f"{step.id} ({self._what(step)}) {verb}; the step cannot run on a file the carry removed.",
+                hint=f"Keep {path} in the carried patch (drop its {cf.kind} section, and carry only the edits "
+                     f"you need as hunks against the base); or, if the backport must do without that file, "
+                     f"use a --recipe without step {step.id} (its upstream hunks listed under `excluded:` "
+                     "with a why).")
+
     def _apply_step(self, step) -> None:
+        self._check_not_deleted_by_carry(step)
         if isinstance(step, UpstreamFile):
             content = self.mlm.read(self.upstream_sha, step.path).decode()
             state = self.file(step.path)
             if state.exists_in_base and state.text == content:
-                raise ApplyError(f"step {step.id}: {step.path} is already identical to upstream at the base.")
+                mine = [h.oid for h in self._live_hunks(step.path)]
+                if mine and self.base_text(step.path) != content:  # the carry made it upstream's file
+                    raise ApplyError(
+                        f"carried patch {fs_text(self.carry.name)} makes {step.path} identical to upstream's file "
+                        f"({', '.join(mine)}), which recipe step {step.id} (upstream_file) takes whole; the step "
+                        "would change nothing.",
+                        hint=f"Drop {step.path} from the carried patch: step {step.id} takes the same file from "
+                             "upstream.")
+                raise ApplyError(f"step {step.id}: {step.path} is already identical to upstream at the base.",
+                                 hint=f"Take step {step.id} out of the recipe and list its hunks under `excluded:` "
+                                      "with a why (e.g. 'already in the base').")
             self._check_whole_file(step, state.text, content)
             state.replace_text(content, step.hunks[0])
             self._shadow_step(step.path, lambda _t: content)
@@ -158,7 +201,10 @@ class _Run:
                 try:
                     offset = state.apply_hunk(uh.hunk, hid, **kwargs)
                 except ApplyError as exc:
-                    raise ApplyError(f"step {step.id}: {exc.message}", hint=exc.hint) from exc
+                    blame = self._carry_blocks_upstream(step, hid, kwargs, exc)
+                    if blame is not None:
+                        raise blame from exc
+                    raise ApplyError(f"step {step.id}: {exc.message}", hint=_upstream_hint(exc, step.id, hid)) from exc
                 self._check_bindings(step, uh.path, before, state.text, tags)
 
                 def on_shadow(text, uh=uh, hid=hid, kwargs=kwargs):
@@ -201,6 +247,11 @@ class _Run:
             except BindingExists as exc:
                 self._binding_conflict(step, step.path, state.text, state.tags, exc)
                 raise
+            except ApplyError as exc:
+                blame = self._carry_blocks_transform(step, fn, exc)
+                if blame is not None:
+                    raise blame from exc
+                raise
             before, tags = state.text, list(state.tags)
             changed = state.replace_text(self._merge_carry(step, state.text, result.text), step.id)
             self._check_bindings(step, step.path, before, state.text, tags)
@@ -213,6 +264,121 @@ class _Run:
                                      "why": step.why, "status": status}
             if step.source:
                 self.origins[step.id]["source"] = step.source
+
+    def _carry_blocks_upstream(self, step, hid: str, kwargs: dict, exc: ApplyError) -> Optional[ApplyError]:
+        """The error naming the carried hunk when upstream hunk ``hid`` fails only because of the
+        carry, else None (then the recipe's message stands).
+
+        The carry is the culprit when the hunk applies to the file without the carry (the base
+        after the earlier steps: the three-way merge's ancestor) and fails on the file with it.
+        The carried hunk named is the one that changed a line inside the upstream hunk's source
+        range (context and removed lines) there, found by diffing the two versions of the file;
+        when no carried change lies inside that range (the carry made the context match twice, or
+        in another symbol), every carried hunk of the file is named.
+        """
+        uh = self.hunks[hid]
+        carried = [h for h in self.carry_model.hunks if h.path == uh.path] if self.carry_model else []
+        if not carried:
+            return None
+        ancestor = self.shadow[uh.path] if uh.path in self.shadow else self.base_text(uh.path)
+        if ancestor is None and getattr(exc, "reason", "") == "exists" and self.base_text(uh.path) is None:
+            ids = ", ".join(h.oid for h in carried)
+            return ApplyError(
+                f"carried patch {fs_text(self.carry.name)} adds {uh.path} ({ids}), a file upstream hunk {hid} of "
+                f"recipe step {step.id} creates; the upstream hunk cannot create it again.",
+                hint=f"Drop {uh.path} from the carried patch: step {step.id} creates it from upstream; or, to keep "
+                     f"your file instead, move {hid} to the recipe's `excluded:` list with a why (docs/carry.md).")
+        if ancestor is None:
+            return None
+        alone = FileState.from_base(uh.path, ancestor)
+        try:
+            offset = alone.apply_hunk(uh.hunk, hid, **kwargs)
+        except ApplyError:
+            return None  # fails without the carry too: the recipe's (the base's) problem
+        hl = hunk_lines(uh.hunk)
+        start = hl.header_pos + offset
+        end = start + len(hl.source)
+        state = self.file(uh.path)
+        anc, base = split_lines(ancestor), split_lines(self.base_text(uh.path) or "")
+        to_base = _line_map(anc, base)
+        first = f"{to_base(start)}-{to_base(end - 1)}"
+        own = {h.oid: h for h in carried}
+        found = None
+        matcher = difflib.SequenceMatcher(None, anc, state.lines, autojunk=False)
+        for op, i1, i2, j1, j2 in matcher.get_opcodes():
+            if op == "equal" or not (start < i1 < end if op == "insert" else i1 < end and i2 > start):
+                continue
+            old = anc[max(i1, start):min(i2, end)]
+            h = next((own[t[1]] for t in state.tags[j1:j2] if t[0] == "origin" and t[1] in own), None) or next(
+                (h for h in carried if any(ln in h.removed for ln in old)), None)
+            if h is not None:
+                found = (h, op, max(i1, start), old, state.lines[j1:j2])
+                break
+        what = f"upstream hunk {hid} ({uh.header.split(' @@')[0]} @@) of recipe step {step.id}"
+        strip = lambda ln: ln.rstrip("\r\n")  # noqa: E731
+        same = "; the carry already makes that hunk's change" if getattr(exc, "reason", "") == "already" else ""
+        if found is not None and self.origins.get(found[0].oid, {}).get("status") == "superseded":
+            same += (f"; the recipe's `superseded` entry for {found[0].oid} does not help here: an upstream_hunks step "
+                     "applies upstream's hunk verbatim to the carried file (superseded works for steps that rewrite "
+                     "a function)")
+        if found is None:
+            ids = ", ".join(h.oid for h in carried)
+            return ApplyError(
+                f"{what} applies to {uh.path} without the carried patch but not after it ({exc.message}); "
+                f"the carried hunks of {uh.path} ({ids}) change the lines it needs (lines {first} of the base).",
+                hint=f"Edit those carried hunks (still diffs against the pinned base) so that the upstream hunk's "
+                     f"lines {first} of {uh.path} stay as in the base, or drop them; or, to keep your version, "
+                     f"move {hid} from step {step.id} to the recipe's `excluded:` list with a why (docs/carry.md).")
+        h, op, at, old, new = found
+        if op == "insert":
+            change = f"adds {strip(new[0])!r} inside lines {first}"
+        elif op == "delete":
+            change = f"removes line {to_base(at)} {strip(old[0])!r}"
+        else:
+            change = f"replaces line {to_base(at)} {strip(old[0])!r} by {strip(new[0])!r}"
+        return ApplyError(
+            f"carried hunk {h.n} of {h.path} ({h.oid}, {h.header.split(' @@')[0]} @@) {change}, inside the lines "
+            f"{what} needs as in the base (lines {first}): after the carry that hunk no longer applies verbatim "
+            f"(it applies without the carry){same}.",
+            hint=f"The carry is applied before the recipe. If the recipe's upstream hunk makes your change "
+                 f"unnecessary, drop {h.oid} from the carried patch; else edit it (still a diff against the pinned "
+                 f"base) so that it leaves lines {first} of {h.path} alone; or, to keep your version of those "
+                 f"lines, move {hid} from step {step.id} to the recipe's `excluded:` list with a why "
+                 "(docs/carry.md).")
+
+    def _carry_blocks_transform(self, step, fn, exc: ApplyError) -> Optional[ApplyError]:
+        """The error naming the carried hunk when transform step ``step`` fails (its anchor gone)
+        only because of the carry, else None (then the transform's message stands).
+
+        The carry is the culprit when the transform's refusal blames the recipe (the default
+        hint) and the transform runs on the file without the carry (the three-way merge's ancestor). The hunk named is the one whose removed lines hold a name
+        or code the message quotes (the anchor), else every carried hunk of the file.
+        """
+        path = step.path
+        carried = [h for h in self.carry_model.hunks if h.path == path] if self.carry_model else []
+        if exc.hint != ApplyError.default_hint:
+            return None  # the transform already names its culprit (e.g. a form of the user's it will not replace)
+        if not carried or (path in self.shadow and self.shadow[path] is None):
+            return None
+        ancestor = self.shadow.get(path, self.base_text(path))
+        if ancestor is None:
+            return None
+        try:
+            fn(ancestor, path)
+        except PipelineError:
+            return None  # fails without the carry too: the recipe's (the base's) problem
+        quoted = [a or b for a, b in re.findall(r"`([^`]+)`|'([^']+)'", exc.message)]
+        named = [h for h in carried if any(q in ln for q in quoted for ln in h.removed)] or carried
+        which = ", ".join(f"carried hunk {h.n} of {h.path} ({h.oid}, {h.header.split(' @@')[0]} @@)" for h in named)
+        ids = ", ".join(h.oid for h in named)
+        return ApplyError(
+            f"{which} {'removes or changes' if len(named) == 1 else 'remove or change'} what recipe step {step.id} "
+            f"({self._what(step)}) anchors on: {exc.message.rstrip('.')}; the step runs on {path} without the "
+            "carried patch.",
+            hint=f"Edit {ids} (still a diff against the pinned base) so that it keeps the step's anchor as in the "
+                 f"base, or drop it: step {step.id} makes its own change there. If your hunk already makes that "
+                 f"change, run with a --recipe without step {step.id} (the upstream hunks it adapts listed under "
+                 "`excluded:` with a why).")
 
     def _what(self, step) -> str:
         return f"transform {step.transform}" if getattr(step, "transform", None) else step.kind
@@ -316,6 +482,38 @@ def _step_paths(step, hunks: dict) -> list[str]:
     return [step.path] if hasattr(step, "path") else []
 
 
+def _line_map(lines: list, base: list) -> Callable[[int], int]:
+    """0-based index into ``lines`` -> 1-based line of the same text in ``base`` (the file before
+    the recipe's earlier steps), through their diff; a line the steps wrote keeps its own number."""
+    where: dict[int, int] = {}
+    for op, i1, i2, j1, _j2 in difflib.SequenceMatcher(None, lines, base, autojunk=False).get_opcodes():
+        if op == "equal":
+            where.update({i1 + k: j1 + k for k in range(i2 - i1)})
+    return lambda i: where.get(i, i) + 1
+
+
+def _upstream_hint(exc: ApplyError, step_id: str, hid: str) -> str:
+    """What to do about upstream hunk ``hid`` that does not apply to the base (no carry to blame):
+    the placement hints of :mod:`backport.workspace` are written for a carried hunk (regenerate it,
+    give it more context, drop it from the carry), which an upstream hunk cannot do."""
+    adapt = (f"take {hid} out of step {step_id} and make its change with a transform step that adapts it "
+             f"(`adapts: [{hid}]`), or move it to the recipe's `excluded:` list with a why")
+    reason = getattr(exc, "reason", "")
+    if reason == "exists":
+        return (f"The pinned base already has the file upstream hunk {hid} creates: take the file with an "
+                f"`upstream_file` step, or move {hid} to the recipe's `excluded:` list with a why.")
+    if reason == "already":
+        return (f"The pinned base already holds upstream hunk {hid}'s change: move it from step {step_id} to the "
+                "recipe's `excluded:` list with a why (e.g. 'already in the base').")
+    if reason == "elsewhere":
+        return f"At the base this code sits in another class/function than upstream's: {adapt}."
+    if reason == "twice":
+        return f"At the base the hunk's context matches several times in its class/function: {adapt}."
+    if reason == "differs":
+        return f"The base differs from upstream's parent where this hunk goes: {adapt}."
+    return exc.hint
+
+
 def _binding_hint(exc: BindingExists, oid: str, step_id: str) -> str:
     """What to do about a carried binding a step would add again: the transform's own advice
     (drop it, or give it the recipe's form), or the recipe's ``superseded`` route."""
@@ -361,6 +559,9 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
         raise PinError(
             f"MCore base pin {base_sha} differs from Megatron-Bridge {bridge_sha[:12]}'s .dev.commit ({dev_commit}).",
             hint="Pin the base to the Bridge's .dev.commit, or pass --allow-pin-mismatch to override.")
+    if dev_commit != base_sha:
+        progress(f"warning: MCore base {base_sha} differs from Megatron-Bridge {bridge_sha[:12]}'s .dev.commit "
+                 f"({dev_commit}); allowed by --allow-pin-mismatch (recorded in the manifest)")
     between = mlm.count_between(base_sha, upstream_sha)
     if between != pins.commits_between:
         raise PinError(f"{between} commits lie between base and upstream; the recipe expects {pins.commits_between}.",
@@ -417,6 +618,8 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
             "megatron_bridge": bridge_sha, "mcore_base": base_sha, "bridge_dev_commit": dev_commit,
             "upstream": upstream_sha, "upstream_ref": pins.upstream_ref, "commits_between": between,
             "prerequisites": sorted({s.commit for s in recipe.steps if isinstance(s, Transplant)}),
+            # only when --allow-pin-mismatch let another base through (the usual manifest keeps its bytes)
+            **({"pin_mismatch_allowed": True} if dev_commit != base_sha else {}),
         },
         "carry": None if opts.carry is None else {
             "name": fs_text(opts.carry.name), "sha256": carry_sha,

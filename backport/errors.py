@@ -48,6 +48,11 @@ class SourceError(PipelineError):
     )
 
 
+class CacheDamaged(SourceError):
+    """git cannot read the tool's own bare cache (a corrupt pack or object): the cache is the
+    culprit, not the pins or the mirror; the message names the cache path and quotes git (exit 3)."""
+
+
 class PinError(PipelineError):
     """Pins disagree (base vs the Bridge `.dev.commit`, ancestry, ambiguity)."""
 

@@ -37,6 +37,19 @@ def _beyond_upstream(m: dict) -> list[str]:
     return out
 
 
+def _base_rows(m: dict) -> list[list]:
+    """The MCore base row(s) of the pins table: one row when the base is the Bridge pin's
+    ``.dev.commit``; when ``--allow-pin-mismatch`` let another base through, the base used and
+    the ``.dev.commit`` on two rows, both commits in full, the mismatch said."""
+    p = m["pins"]
+    dev = p.get("bridge_dev_commit", p["mcore_base"])
+    if dev == p["mcore_base"]:
+        return [["Megatron-Core base (= Bridge .dev.commit)", f"`{p['mcore_base']}`"]]
+    return [["Megatron-Core base (differs from Bridge .dev.commit; allowed by --allow-pin-mismatch)",
+             f"`{p['mcore_base']}`"],
+            ["Megatron-Bridge .dev.commit (not used as the base)", f"`{dev}`"]]
+
+
 def render_markdown(m: dict) -> str:
     """Render manifest dict ``m`` as Markdown (deterministic)."""
     p = m["pins"]
@@ -51,7 +64,7 @@ def render_markdown(m: dict) -> str:
         "## Pins",
         *_table(["input", "commit"], [
             ["Megatron-Bridge", f"`{p['megatron_bridge']}`"],
-            ["Megatron-Core base (= Bridge .dev.commit)", f"`{p['mcore_base']}`"],
+            *_base_rows(m),
             ["upstream feature", f"`{p['upstream']}` ({p['upstream_ref']}, {p['commits_between']} commits after base)"],
             *[["prerequisite", f"`{c}`"] for c in p["prerequisites"]],
         ]),

@@ -13,6 +13,7 @@ import io
 import os
 import re
 import shutil
+import subprocess
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import git
 
 from . import locks
 from .cache import default_cache_dir  # noqa: F401 - re-exported: the cache location's old home
-from .errors import PinError, SourceError
+from .errors import CacheDamaged, PinError, SourceError
 from .gitenv import isolate_gitpython, isolated
 
 DEFAULT_URLS = {
@@ -30,6 +31,27 @@ DEFAULT_URLS = {
     "megatron-bridge": "https://github.com/NVIDIA-NeMo/Megatron-Bridge.git",
 }
 ENV_VARS = {"megatron-lm": "MEGATRON_LM_REPO", "megatron-bridge": "MEGATRON_BRIDGE_REPO"}
+
+
+#: git's own words for an object store it cannot read (a damaged pack, index or loose object)
+#: (a missing object alone, "could not get object info" / "Not a valid object name", is not damage)
+_DAMAGE = re.compile(r"corrupt|inflate|cannot unpack|unable to unpack|pack checksum|index CRC|"
+                     r"bad offset|revindex|loose object|object file .* is empty|packfile .* cannot be accessed|"
+                     r"invalid object type", re.I)
+
+
+def is_damage(stderr: str) -> bool:
+    """True when git's ``stderr`` says the object store itself is damaged (not a missing commit)."""
+    return bool(_DAMAGE.search(stderr or ""))
+
+
+def git_words(exc: git.GitCommandError) -> str:
+    """git's own stderr of a failed command, on one line (GitPython's ``stderr: '...'`` wrapper removed)."""
+    text = exc.stderr if isinstance(exc.stderr, str) else (exc.stderr or b"").decode("utf-8", "replace")
+    text = text.strip()
+    if text.startswith("stderr: '") and text.endswith("'"):
+        text = text[len("stderr: '"):-1]
+    return " ".join(text.split())
 
 
 @dataclass
@@ -48,6 +70,16 @@ class Source:
     repo: git.Repo
     cold: bool = False
 
+    def damaged(self, exc: git.GitCommandError, what: str) -> CacheDamaged:
+        """The error for a git command that failed on the cache itself: names the cache path,
+        the command, git's own words, and how to rebuild the cache (exit 3)."""
+        words = git_words(exc)[:400] or f"exit status {exc.status}"
+        cache = Path(self.repo.git_dir)
+        return CacheDamaged(
+            f"{self.name}: the cache {cache} cannot be read (damaged): `git {what}` failed: {words}",
+            hint=f"Delete the damaged cache entry (`rm -rf {cache}`; it is only a copy of {self.location}) and "
+                 "run the same command again: the next run clones it again.")
+
     def candidates(self, rev: str) -> list[str]:
         """Full SHAs of the commits that ``rev`` (a hex prefix of 4-40 digits) names."""
         if not re.fullmatch(r"[0-9a-fA-F]{4,40}", rev):
@@ -57,7 +89,9 @@ class Source:
             return [rev] if self._is_commit(rev) else []
         try:
             out = self.repo.git.rev_parse("--disambiguate=" + rev)
-        except git.GitCommandError:
+        except git.GitCommandError as exc:
+            if is_damage(exc.stderr):
+                raise self.damaged(exc, f"rev-parse --disambiguate={rev}") from exc
             return []
         return sorted(sha for sha in out.split() if self._is_commit(sha))
 
@@ -79,7 +113,9 @@ class Source:
     def _is_commit(self, sha: str) -> bool:
         try:
             return self.repo.git.cat_file("-t", sha).strip() == "commit"
-        except git.GitCommandError:
+        except git.GitCommandError as exc:
+            if is_damage(exc.stderr):
+                raise self.damaged(exc, f"cat-file -t {sha}") from exc
             return False
 
     def has_commit(self, sha: str) -> bool:
@@ -95,7 +131,9 @@ class Source:
         try:
             return self.repo.git.show(f"{sha}:{path}", stdout_as_string=False, strip_newline_in_stdout=False)
         except git.GitCommandError as exc:
-            raise SourceError(f"{self.name}: cannot read {path} at {sha[:12]}: {exc.stderr.strip()}") from exc
+            if is_damage(exc.stderr):
+                raise self.damaged(exc, f"show {sha[:12]}:{path}") from exc
+            raise SourceError(f"{self.name}: cannot read {path} at {sha[:12]}: {git_words(exc)}") from exc
 
     def export(self, sha: str, path: str) -> tarfile.TarFile:
         """A tar archive of ``path`` at ``sha`` (``git archive``), opened for reading.
@@ -107,8 +145,10 @@ class Source:
             data = self.repo.git.archive("--format=tar", sha, path, stdout_as_string=False,
                                         strip_newline_in_stdout=False)
         except git.GitCommandError as exc:
+            if is_damage(exc.stderr):
+                raise self.damaged(exc, f"archive {sha[:12]} {path}") from exc
             raise SourceError(
-                f"{self.name}: `git archive {sha[:12]} {path}` failed: {exc.stderr.strip()[:400]}",
+                f"{self.name}: `git archive {sha[:12]} {path}` failed: {git_words(exc)[:400]}",
                 hint="The mirror lacks objects; fetch a complete mirror and pass it with "
                 f"--{self.name} (or {ENV_VARS[self.name]}).",
             ) from exc
@@ -118,17 +158,25 @@ class Source:
         """Number of commits in ``ancestor..descendant``.
 
         Raises:
-            PinError: ``ancestor`` is not an ancestor of ``descendant``.
+            PinError: ``ancestor`` is not an ancestor of ``descendant`` (git's answer: exit 1,
+                nothing on stderr).
+            SourceError: git could not answer (any other failure: a damaged cache), naming the
+                cache and git's words.
         """
         try:
             self.repo.git.merge_base("--is-ancestor", ancestor, descendant)
         except git.GitCommandError as exc:
+            if exc.status != 1 or git_words(exc):
+                raise self.damaged(exc, f"merge-base --is-ancestor {ancestor[:12]} {descendant[:12]}") from exc
             raise PinError(
                 f"{self.name}: {ancestor[:12]} is not an ancestor of {descendant[:12]}; "
                 "the upstream feature must descend from the base.",
                 hint="Check --upstream and the base pin in the recipe.",
             ) from exc
-        return int(self.repo.git.rev_list("--count", f"{ancestor}..{descendant}"))
+        try:
+            return int(self.repo.git.rev_list("--count", f"{ancestor}..{descendant}"))
+        except git.GitCommandError as exc:
+            raise self.damaged(exc, f"rev-list --count {ancestor[:12]}..{descendant[:12]}") from exc
 
 
 def is_shallow(path: "str | Path") -> bool:
@@ -204,13 +252,16 @@ def open_source(
                 git.Repo.clone_from(location, tmp, bare=True, env=isolated())
             except git.GitCommandError as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise SourceError(f"{name}: clone of {location} failed: {exc.stderr.strip()[:400]}") from exc
+                raise SourceError(f"{name}: clone of {location} failed: {git_words(exc)[:400]}") from exc
             if is_shallow(tmp):
                 shutil.rmtree(tmp)
                 raise _shallow_error(name, location)
             os.rename(tmp, cache)
             cold = True
-        repo = git.Repo(cache)
+        try:
+            repo = git.Repo(cache)
+        except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
+            raise _unreadable_cache(name, cache, location) from exc
         isolate_gitpython(repo)
         source = Source(name=name, location=location, repo=repo, cold=cold)
         missing = [rev for rev in needed if not _present(source, rev)]
@@ -226,7 +277,7 @@ def open_source(
             try:
                 repo.git.fetch(location, "+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*", "--prune")
             except git.GitCommandError as exc:
-                raise SourceError(f"{name}: fetch from {location} failed: {exc.stderr.strip()[:400]}") from exc
+                raise SourceError(f"{name}: fetch from {location} failed: {git_words(exc)[:400]}") from exc
             if is_shallow(cache):
                 shutil.rmtree(cache)
                 raise _shallow_error(name, location)
@@ -237,6 +288,18 @@ def open_source(
                                hint="Check the SHA (a typo, or a commit of another repository?), or point "
                                     f"--{name} at a mirror that has it.")
     return source
+
+
+def _unreadable_cache(name: str, cache: Path, location: str) -> CacheDamaged:
+    """The error for a cache entry git does not take for a repository at all (HEAD or objects/
+    damaged or gone), quoting git's own words (``git rev-parse --git-dir`` there)."""
+    proc = subprocess.run(["git", "-C", str(cache), "rev-parse", "--git-dir"], capture_output=True,
+                          env=isolated({"GIT_CEILING_DIRECTORIES": str(cache.parent)}))
+    words = " ".join(proc.stderr.decode("utf-8", "replace").split())[:400] or "GitPython does not open it"
+    return CacheDamaged(
+        f"{name}: the cache {cache} cannot be read (damaged): it is not a git repository any more: {words}",
+        hint=f"Delete the damaged cache entry (`rm -rf {cache}`; it is only a copy of {location}) and run the same "
+             "command again: the next run clones it again.")
 
 
 def _present(source: Source, rev: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import git
 from unidiff import PatchSet
 from unidiff.patch import Hunk
 
@@ -39,9 +40,16 @@ class UpstreamHunk:
 
 
 def diff_text(source: Source, commit: str, paths: tuple[str, ...] = ()) -> str:
-    """``git show`` of ``commit`` as a plain unified diff (3 lines of context, no renames)."""
-    data = source.repo.git.show("--format=", "-U3", "--no-renames", "--no-color", "--no-ext-diff", commit, "--",
-                                *paths, stdout_as_string=False, strip_newline_in_stdout=False)
+    """``git show`` of ``commit`` as a plain unified diff (3 lines of context, no renames).
+
+    Raises:
+        SourceError: git cannot read the commit from the cache (a damaged pack), naming the cache.
+    """
+    try:
+        data = source.repo.git.show("--format=", "-U3", "--no-renames", "--no-color", "--no-ext-diff", commit, "--",
+                                    *paths, stdout_as_string=False, strip_newline_in_stdout=False)
+    except git.GitCommandError as exc:  # the commit was resolved: git failing here is the cache's fault
+        raise source.damaged(exc, f"show {commit[:12]}") from exc
     return data.decode("utf-8")  # whatever the locale: GitPython would decode with the locale's codec
 
 

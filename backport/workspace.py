@@ -378,14 +378,15 @@ class FileState:
 
         Raises:
             ApplyError: not found, found only in another symbol, found twice in the symbol,
-                or already applied (its result is already in the file).
+                or already applied (its result is already in the file); its ``reason`` says
+                which (:func:`_refused`).
         """
         h = hunk if isinstance(hunk, HunkLines) else hunk_lines(hunk)
         source, target = list(h.source), list(h.target)
         expected = h.header_pos + self.last_offset
         if not source:
             if self.lines and self.exists:
-                raise ApplyError(f"{self.path}: hunk of origin {origin} creates a file that already exists.")
+                raise _refused(f"{self.path}: hunk of origin {origin} creates a file that already exists.", "exists")
             self._splice(0, 0, target, origin)
             self.exists = True
             return 0
@@ -398,12 +399,11 @@ class FileState:
         if not matches:
             m = len(target)
             if target and target != source and any(self.lines[i:i + m] == target for i in range(len(self.lines) - m + 1)):
-                raise ApplyError(f"{where} is already applied: its result is already in the file.",
-                                 hint=_ALREADY_HINT)
-            raise ApplyError(
+                raise _refused(f"{where} is already applied: its result is already in the file.", "already",
+                               hint=_ALREADY_HINT)
+            raise _refused(
                 f"{where} does not apply with zero fuzz (its context or removed lines differ from the tree)"
-                f"{_line_ending_note(source, self.lines)}."
-            )
+                f"{_line_ending_note(source, self.lines)}.", "differs")
         chosen = matches
         spans = symbol_spans(self.text) if source_symbol is not None else None
         if spans is not None:
@@ -412,14 +412,14 @@ class FileState:
             label = source_symbol or "module level"
             if not chosen:
                 elsewhere = sorted({by_symbol[i] or "module level" for i in matches})
-                raise ApplyError(
+                raise _refused(
                     f"{where} belongs in {label}, but its context matches only in {', '.join(elsewhere)} "
-                    f"(line {matches[0] + 1}); it was not placed there.",
+                    f"(line {matches[0] + 1}); it was not placed there.", "elsewhere",
                     hint="Regenerate the hunk against the pinned base so that it lands in the right symbol.")
             if len(chosen) > 1:
-                raise ApplyError(
+                raise _refused(
                     f"{where}: its context matches {len(chosen)} times inside {label} (lines "
-                    f"{', '.join(str(i + 1) for i in chosen)}); the tool does not guess which.",
+                    f"{', '.join(str(i + 1) for i in chosen)}); the tool does not guess which.", "twice",
                     hint="Give the hunk more context (git diff -U5) so that it matches once.")
         start = min(chosen, key=lambda i: (abs(i - expected), i))
         self._apply_at(start, h, origin)
@@ -448,6 +448,14 @@ class FileState:
                 self._splice(pos, pos, [tgt[tgt_i]], origin)
                 pos += 1
                 tgt_i += 1
+
+
+def _refused(message: str, reason: str, hint: Optional[str] = None) -> ApplyError:
+    """A placement refusal; ``reason`` (``exists``, ``already``, ``differs``, ``elsewhere``, ``twice``) lets the
+    caller give a hint that fits the hunk's origin (the hints here are written for a carried hunk)."""
+    exc = ApplyError(message, hint=hint)
+    exc.reason = reason
+    return exc
 
 
 _ALREADY_HINT = ("The base already contains this change (it may have landed upstream); drop the hunk "

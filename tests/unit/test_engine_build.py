@@ -137,9 +137,37 @@ def test_build_errors(tmp_path, fake_repos, make_options, change, opts, error, c
 
 
 def test_allow_pin_mismatch_accepts_another_dev_commit(tmp_path, fake_repos, make_options):
+    from backport.manifest_md import render_markdown
+
     path = write_recipe(tmp_path / "r.yaml", _edit(fake_repos, pins={"megatron_bridge": fake_repos.bridge_other}))
-    b = build(make_options(path, allow_pin_mismatch=True))
-    assert b.manifest["pins"]["bridge_dev_commit"] == fake_repos.i1
+    said = []
+    b = build(make_options(path, allow_pin_mismatch=True), progress=said.append)
+    pins = b.manifest["pins"]
+    assert pins["bridge_dev_commit"] == fake_repos.i1 and pins["mcore_base"] == fake_repos.base
+    assert pins["pin_mismatch_allowed"] is True
+    md = render_markdown(b.manifest)
+    assert "(= Bridge .dev.commit)" not in md  # the base used is not the Bridge's .dev.commit: never labelled so
+    assert (f"| Megatron-Core base (differs from Bridge .dev.commit; allowed by --allow-pin-mismatch) "
+            f"| `{fake_repos.base}` |") in md
+    assert f"| Megatron-Bridge .dev.commit (not used as the base) | `{fake_repos.i1}` |" in md
+    assert any(m.startswith("warning: MCore base ") and fake_repos.i1 in m and "--allow-pin-mismatch" in m
+               for m in said)
+    from rich.console import Console
+
+    from backport.cli import _summary_table
+    console = Console(record=True, width=200)
+    console.print(_summary_table(b.manifest, [], "run"))
+    assert f"mcore base is not Bridge's .dev.commit {fake_repos.i1[:12]} (allowed by --allow-pin-mismatch)" in (
+        console.export_text())
+
+
+def test_matching_pins_keep_the_one_row_label_and_no_mismatch_key(built):
+    from backport.manifest_md import render_markdown
+
+    m = built[0].manifest
+    assert "pin_mismatch_allowed" not in m["pins"]
+    assert f"| Megatron-Core base (= Bridge .dev.commit) | `{m['pins']['mcore_base']}` |" in render_markdown(m)
+    assert ".dev.commit (not used as the base)" not in render_markdown(m)
 
 
 def test_non_ancestor_upstream_is_pin_error(tmp_path, fake_repos, make_options):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import git
 import pytest
 
-from backport.errors import PinError, SourceError
+from backport.errors import CacheDamaged, PinError, SourceError
 from backport.cache import default_cache_dir
 from backport.sources import Source, open_source
 from backport.tree import assemble_base_tree, tree_digest
@@ -180,6 +182,8 @@ def test_read_of_an_absent_path_is_source_error(mlm, fake_repos, path):
     with pytest.raises(SourceError, match="cannot read") as exc:
         mlm.read(fake_repos.base, path)
     assert exc.value.exit_code == 3
+    assert not isinstance(exc.value, CacheDamaged)  # an absent path is not a damaged cache
+    assert ": fatal: " in exc.value.message and "stderr: '" not in exc.value.message  # git's words, unwrapped
 
 
 def test_export_of_an_absent_path_is_source_error(mlm, fake_repos):
@@ -233,3 +237,76 @@ def test_last_hunk_of_the_commit_keeps_its_final_newline(mlm, fake_repos):
     """The diff's last line is a line like any other (GitPython must not strip its newline)."""
     last = load_hunks(mlm, fake_repos.upstream)[-1]
     assert [line.value for line in last.hunk] == ["def test_alpha():\n", "    assert True\n"]
+
+
+# --- a damaged cache is named as the culprit (issue 23) ---------------------------------------------
+
+def _damage_commit_in_pack(cache: Path, sha: str) -> None:
+    """Repack the bare cache ``cache`` into one fresh pack, then flip bytes inside the zlib data of
+    commit ``sha`` there (its type and size stay readable: ``cat-file -t`` still answers)."""
+    run_git(cache, "repack", "-a", "-d", "-q")
+    (pack,) = (cache / "objects" / "pack").glob("*.pack")
+    assert pack.stat().st_nlink == 1  # a file of the cache's own, never one shared with the fixture repo
+    index = run_git(cache, "show-index", input=(pack.with_suffix(".idx")).read_bytes())
+    offset = next(int(line.split()[0]) for line in index.splitlines() if line.split()[1] == sha)
+    data = bytearray(pack.read_bytes())
+    for i in range(offset + 6, offset + 14):
+        data[i] ^= 0xFF
+    pack.chmod(0o644)
+    pack.write_bytes(bytes(data))
+
+
+def test_a_damaged_pack_is_named_as_the_cache_with_gits_words_not_as_a_pin(fake_repos, tmp_path):
+    cache = tmp_path / "cache"
+    src = open_source("megatron-lm", str(fake_repos.mlm), cache, (fake_repos.upstream,))
+    _damage_commit_in_pack(cache / "megatron-lm.git", fake_repos.upstream)
+    assert src.has_commit(fake_repos.upstream)  # the object is still listed: only its content is damaged
+    with pytest.raises(SourceError) as exc:
+        src.count_between(fake_repos.base, fake_repos.upstream)
+    msg = exc.value.message
+    assert exc.value.exit_code == 3 and "not an ancestor" not in msg
+    assert f"the cache {cache / 'megatron-lm.git'} cannot be read (damaged)" in msg
+    assert "`git merge-base --is-ancestor" in msg and "is corrupt" in msg  # git's own words
+    assert "stderr: '" not in msg
+    assert f"rm -rf {cache / 'megatron-lm.git'}" in exc.value.hint and "clones it again" in exc.value.hint
+    with pytest.raises(CacheDamaged, match="cannot be read [(]damaged[)]"):
+        load_hunks(src, fake_repos.upstream)
+
+
+def test_a_damaged_cache_through_the_cli_exits_3_naming_it_and_a_rebuild_works(fake_repos, tmp_path):
+    from click.testing import CliRunner
+
+    from backport.cli import cli
+    from conftest import recipe_data, write_recipe
+
+    cache = tmp_path / "cache"
+    args = ["--recipe", str(write_recipe(tmp_path / "r.yaml", recipe_data(fake_repos))),
+            "--megatron-lm", str(fake_repos.mlm), "--megatron-bridge", str(fake_repos.bridge_repo),
+            "--cache-dir", str(cache), "--no-import-check", "--date", "2026-01-02", "--out", str(tmp_path / "out")]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    _damage_commit_in_pack(cache / "megatron-lm.git", fake_repos.upstream)
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 3, result.output
+    lines = result.stderr.rstrip("\n").splitlines()
+    assert lines[-2].startswith("error: megatron-lm: the cache ") and "is corrupt" in lines[-2], result.stderr
+    assert lines[-1].startswith(f"hint: Delete the damaged cache entry (`rm -rf {cache / 'megatron-lm.git'}`")
+    shutil.rmtree(cache / "megatron-lm.git")  # the hint's own route: delete the entry, run the same command
+
+    assert CliRunner().invoke(cli, args).exit_code == 0
+
+
+@pytest.mark.parametrize("damage", ["HEAD", "objects"])
+def test_a_cache_entry_git_no_longer_opens_is_named_not_a_bug(fake_repos, tmp_path, damage):
+    cache = tmp_path / "cache"
+    open_source("megatron-lm", str(fake_repos.mlm), cache, (fake_repos.upstream,))
+    entry = cache / "megatron-lm.git"
+    if damage == "HEAD":
+        (entry / "HEAD").write_text("garbage\n")
+    else:
+        shutil.rmtree(entry / "objects")
+    with pytest.raises(CacheDamaged) as exc:
+        open_source("megatron-lm", str(fake_repos.mlm), cache, (fake_repos.upstream,))
+    assert exc.value.exit_code == 3
+    assert exc.value.message.startswith(f"megatron-lm: the cache {entry} cannot be read (damaged): it is not a git "
+                                        "repository any more: fatal: not a git repository")
+    assert f"rm -rf {entry}" in exc.value.hint
