@@ -55,6 +55,8 @@ def distance(mlm: str, base: str, upstream: str) -> tuple[str, int]:
     upstream and n commits after it, ("unrelated", 0) otherwise."""
     def anc(a, d):
         return subprocess.run(["git", "-C", mlm, "merge-base", "--is-ancestor", a, d]).returncode == 0
+    if git(mlm, "rev-parse", base).strip() == git(mlm, "rev-parse", upstream).strip():
+        return "contains", 0
     if anc(base, upstream):
         return "before", int(git(mlm, "rev-list", "--count", f"{base}..{upstream}"))
     if anc(upstream, base):
@@ -62,9 +64,9 @@ def distance(mlm: str, base: str, upstream: str) -> tuple[str, int]:
     return "unrelated", 0
 
 
-def run_one(py: str, sha: str, day: str, mlm: str, bridge_repo: str, cache: str) -> dict:
+def run_one(py: str, sha: str, day: str, mlm: str, bridge_repo: str, cache: str, recipe: Path = RECIPE) -> dict:
     out = tempfile.mkdtemp(prefix="pin-sweep-out-")
-    cmd = [py, str(ROOT / "tools/backport"), "--bridge", sha, "--no-import-check", "--no-trees",
+    cmd = [py, str(ROOT / "tools/backport"), "--bridge", sha, "--recipe", str(recipe), "--no-import-check", "--no-trees",
            "--megatron-lm", mlm, "--megatron-bridge", bridge_repo, "--cache-dir", cache, "--out", out,
            "--date", day]
     t0 = time.perf_counter()
@@ -134,9 +136,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "pins")
     ap.add_argument("--cache-dir", default=None, help="backport cache (default: the tool's own)")
     ap.add_argument("--python", default=str(ROOT / ".venv/bin/python"))
+    ap.add_argument("--recipe", type=Path, default=RECIPE, help="recipe whose Bridge pin starts the sweep")
     ap.add_argument("--limit", type=int, default=0, help="only the first N commits (0: all)")
     args = ap.parse_args(argv)
-    pins = yaml.safe_load(RECIPE.read_text())["pins"]
+    pins = yaml.safe_load(args.recipe.read_text())["pins"]
     cache = args.cache_dir or os.environ.get("GDN_BACKPORT_CACHE") or str(Path.home() / ".cache" / "gdn-backport")
     commits = bridge_commits(args.bridge_repo, pins["megatron_bridge"])
     if args.limit:
@@ -145,7 +148,7 @@ def main(argv=None) -> int:
     for sha, date in commits:
         base = git(args.bridge_repo, "show", f"{sha}:.dev.commit").strip()
         row = {"bridge": sha, "date": date, "mcore_base": base, "distance": distance(args.mlm, base, pins["upstream"])}
-        row.update(run_one(args.python, sha, date[:10], args.mlm, args.bridge_repo, cache))
+        row.update(run_one(args.python, sha, date[:10], args.mlm, args.bridge_repo, cache, args.recipe))
         print(f"{sha[:12]} {date[:10]} base {base[:12]} {row['distance']}: {row['verdict']} ({row['seconds']} s)",
               flush=True)
         rows.append(row)

@@ -215,3 +215,26 @@ def test_upstream_hunk_already_at_the_base_is_reported_already_upstream(tmp_path
     step = next(s for s in b.manifest["retarget"]["steps"] if s["id"] == "take-utils")
     assert step["status"] == "verbatim, some already upstream"
     assert "value += 10" not in b.patch.decode()  # nothing to add: the base has it
+
+
+def test_pin_sweep_lists_the_later_pins_and_says_written_or_native(tmp_path, fake_repos, bridges, recipe_on):
+    """bench/pin_sweep.py on the throwaway Bridge: at_prereq gets a patch, at_upstream is native."""
+    import importlib.util
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("pin_sweep", repo / "bench" / "pin_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    assert [c for c, _d in sweep.bridge_commits(str(bridges["repo"]), bridges["at_base"])] == [
+        bridges["at_prereq"], bridges["at_upstream"]]
+    assert sweep.distance(str(fake_repos.mlm), fake_repos.i1, fake_repos.upstream) == ("before", 2)
+    assert sweep.distance(str(fake_repos.mlm), fake_repos.upstream, fake_repos.upstream) == ("contains", 0)
+    assert sweep.main(["--mlm", str(fake_repos.mlm), "--bridge-repo", str(bridges["repo"]), "--recipe", str(recipe_on),
+                       "--out", str(tmp_path / "res"), "--cache-dir", str(tmp_path / "c"),
+                       "--python", sys.executable]) == 0
+    rows = json.loads((tmp_path / "res" / "sweep.json").read_text())["rows"]
+    assert [r["verdict"] for r in rows] == ["patch written", "native"]
+    assert rows[0]["steps"]["prereq-resolve"] == "already present at the base" and rows[0]["exit"] == 0
+    assert rows[1]["exit"] == 16 and rows[1]["fixes"]["fix-tuple-index"] == "needed"
+    assert "| native | 16 |" in (tmp_path / "res" / "sweep.md").read_text()
