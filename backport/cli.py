@@ -284,6 +284,8 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         if done:
             click.echo(f"recovered {out}: {done}", err=True)
         day, source = _date_choice(date, release, out, check)
+        if check and bridge is None and mcore_base is None:
+            bridge, mcore_base = _lock_pins(out, recipe, allow_pin_mismatch, say)
         opts = options(day)
         lock_day = output.lock_date(out) if check else None
         shown = f"{opts.date[:4]}-{opts.date[4:6]}-{opts.date[6:]}"
@@ -319,6 +321,30 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
             else:
                 click.echo(f"release: {output.LOCK} changed: {'; '.join(changes)}. Commit it to publish this "
                            f"release, or `git checkout {output.LOCK}` and run without --date/--release to undo.")
+
+
+def _lock_pins(out: Path, recipe: Path, allow_pin_mismatch: bool, say) -> tuple[Optional[str], Optional[str]]:
+    """(bridge, mcore_base) for ``--check`` of outputs written with ``--bridge``/``--mcore-base``:
+    the lock's pins where they differ from the recipe's (the base only with
+    ``--allow-pin-mismatch``, as when it was written); (None, None) on the recipe's own pins."""
+    from . import output
+    from .recipe import load_recipe
+
+    pins = (_read_json(out / output.LOCK) or {}).get("pins")
+    if not isinstance(pins, dict):
+        return None, None
+    try:
+        default = load_recipe(recipe)[0].pins
+    except PipelineError:
+        return None, None  # the build names the recipe's problem
+    bridge = pins.get("megatron_bridge")
+    bridge = bridge if isinstance(bridge, str) and bridge != default.megatron_bridge else None
+    base = pins.get("mcore_base")
+    base = base if (allow_pin_mismatch and isinstance(base, str) and base != pins.get("bridge_dev_commit")) else None
+    if bridge or base:
+        say(f"check: pins from {out / output.LOCK}: Megatron-Bridge {(bridge or default.megatron_bridge)[:12]}"
+            + (f", MCore base {base[:12]}" if base else ""))
+    return bridge, base
 
 
 def _print_summary(out: Path) -> None:

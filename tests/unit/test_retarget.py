@@ -95,6 +95,11 @@ def test_cli_bridge_writes_outputs_named_by_the_pins_used(tmp_path, fake_repos, 
     lock = json.loads((out / output.LOCK).read_text())
     assert lock["pins"]["mcore_base"] == fake_repos.prereq and lock["pins"]["commits_between"] == 1
     assert (out / "patches" / "megatron" / f"20260102-{fake_repos.prereq[:9]}.patch").is_file()
+    check = CliRunner().invoke(cli, [  # --check takes the lock's pins, as it takes the lock's date
+        "--recipe", str(recipe_on), "--check", "--megatron-lm", str(fake_repos.mlm), "--megatron-bridge",
+        str(bridges["repo"]), "--cache-dir", str(tmp_path / "c"), "--no-import-check", "--out", str(out), "--offline"])
+    assert check.exit_code == 0, check.output
+    assert f"check: pins from {out / output.LOCK}: Megatron-Bridge {bridges['at_prereq'][:12]}" in check.stderr
 
 
 def test_base_containing_upstream_is_native_exit_16(make_options, recipe_on, bridges, fake_repos):
