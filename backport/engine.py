@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from . import __version__, retarget
 from .carry import apply_carry, check_paths, load_carry, read_base
-from .errors import ApplyError, BindingExists, PinError, PipelineError, RecipeError, SourceError
+from .errors import ApplyError, BindingExists, PipelineError, RecipeError, SourceError
 from .recipe import AddFile, Recipe, Transform, Transplant, UpstreamFile, UpstreamHunks, check_coverage, load_recipe
 from .sources import Source, open_source
 from .transforms import REGISTRY

@@ -33,14 +33,15 @@ class RunPins:
     """The pins of one run (full SHAs).
 
     Attributes:
-        bridge: Megatron-Bridge commit; dev_commit: its ``.dev.commit``; base: the MCore base.
+        bridge: Megatron-Bridge commit; dev_commit: its ``.dev.commit`` (None: it has none and
+            ``--mcore-base`` was given with ``--allow-pin-mismatch``); base: the MCore base.
         upstream: the upstream commit; between: measured ``len(base..upstream)``.
         retargeted: the Bridge commit or the base differ from the recipe's pins.
         declared_between: the recipe's ``commits_between`` (for the recipe's own pins).
     """
 
     bridge: str
-    dev_commit: str
+    dev_commit: Optional[str]
     base: str
     upstream: str
     between: int
@@ -72,10 +73,15 @@ def resolve(opts, recipe: Recipe, progress: Callable[[str], None] = lambda _m: N
     bridge_sha = bridge.resolve(bridge_rev)
     try:
         dev_commit = bridge.read(bridge_sha, ".dev.commit").decode().strip()
+        if not dev_commit:
+            raise SourceError(f"megatron-bridge: .dev.commit is empty at {bridge_sha[:12]}")
     except (SourceError, UnicodeDecodeError) as exc:
-        raise SourceError(f"Megatron-Bridge {bridge_sha[:12]} has no readable .dev.commit (the MCore base pin).",
-                          hint="Pick a Bridge commit that pins MCore in .dev.commit (`git log -- .dev.commit`), "
-                               "or pass --mcore-base SHA --allow-pin-mismatch.") from exc
+        if opts.mcore_base and opts.allow_pin_mismatch:
+            dev_commit = None  # no pin to compare with: the base given is the one used
+        else:
+            raise SourceError(f"Megatron-Bridge {bridge_sha[:12]} has no readable .dev.commit (the MCore base pin).",
+                              hint="Pick a Bridge commit that pins MCore in .dev.commit (`git log -- .dev.commit`), "
+                                   "or pass --mcore-base SHA --allow-pin-mismatch.") from exc
     base_rev = opts.mcore_base or (dev_commit if opts.bridge else pins.mcore_base)
     upstream_rev = opts.upstream or pins.upstream
     needed = (upstream_rev, base_rev) + tuple(s.commit for s in recipe.steps if isinstance(s, Transplant))

@@ -14,7 +14,7 @@ from backport.cli import cli
 from backport.engine import build
 from backport.errors import ApplyError, FeatureNative, PinError, UsageError
 from backport.retarget import already_upstream, native_fixes
-from backport.workspace import HunkLines, hunk_lines, split_lines
+from backport.workspace import HunkLines, split_lines
 
 from conftest import commit, init_repo, recipe_data, write_recipe
 
@@ -243,3 +243,20 @@ def test_pin_sweep_lists_the_later_pins_and_says_written_or_native(tmp_path, fak
     assert rows[0]["steps"]["prereq-resolve"] == "already present at the base" and rows[0]["exit"] == 0
     assert rows[1]["exit"] == 16 and rows[1]["fixes"]["fix-tuple-index"] == "needed"
     assert "| native | 16 |" in (tmp_path / "res" / "sweep.md").read_text()
+
+
+def test_bridge_without_dev_commit_is_a_source_error_naming_it(tmp_path, make_options, fake_repos, recipe_on, bridges):
+    from backport.errors import SourceError
+    from conftest import git
+
+    br = tmp_path / "Megatron-Bridge"
+    git(tmp_path, "clone", "-q", str(bridges["repo"]), str(br))
+    bare = commit(br, {".dev.commit": None}, "drop the pin")
+    with pytest.raises(SourceError) as exc:
+        build(make_options(recipe_on, megatron_bridge=str(br), bridge=bare))
+    assert exc.value.exit_code == 3
+    assert exc.value.message == f"Megatron-Bridge {bare[:12]} has no readable .dev.commit (the MCore base pin)."
+    assert "--mcore-base SHA --allow-pin-mismatch" in exc.value.hint
+    b = build(make_options(recipe_on, megatron_bridge=str(br), bridge=bare, mcore_base=fake_repos.i1,
+                           allow_pin_mismatch=True))
+    assert (b.manifest["pins"]["bridge_dev_commit"], b.manifest["pins"]["mcore_base"]) == (None, fake_repos.i1)
