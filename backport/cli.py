@@ -3,7 +3,7 @@
 Exit codes: 0 ok; 1 system failure or unexpected error (one line naming the step and path,
 a hint, the traceback in a log file or with --debug); 2 usage; 3 source; 4 pin; 5 recipe;
 6 apply; 7 verification; 8 --check mismatch; 9-14 image (see image_pipeline/errors.py); 15 busy
-(--no-wait); 16 an output path is a symbolic link; 130 interrupted. The README's table lists them.
+(--no-wait); 16 an output path is a symbolic link; 17 the base already contains the upstream commit (native); 130 interrupted. The README's table lists them.
 
 One run at a time per output folder (``build/.gdn/output.lock``, :mod:`backport.locks`); a
 run first finishes or rolls back a switch of outputs that a killed run left
@@ -57,12 +57,28 @@ def _summary_table(m: dict, written: list, mode: str, timings: Optional[dict] = 
     table.add_row("sha256", m["patch"]["sha256"])
     for c in m["verification"]:
         table.add_row(f"check {c['check']}", ("ok: " if c["ok"] else "SKIPPED: ") + c["detail"])
+    _report_rows(table, m)
     t = timings
     if t is not None:
         table.add_row("time", f"{t['total_s']:.1f} s ({'cold' if cold else 'warm'}: sources {t['sources_s']:.1f}, tree {t['base_tree_s']:.1f}, recipe {t['recipe_s']:.1f}, verify {t['verify_s']:.1f})")
     for path in written:
         table.add_row("wrote" if mode == "write" else mode, str(path))
     return table
+
+
+def _report_rows(table: Table, m: dict) -> None:
+    """Rows of a retargeted run (``m["retarget"]``): the recipe's pins and each step at this base."""
+    from .retarget import report_counts
+
+    r = m.get("retarget")
+    if not r:
+        return
+    rp = r["recipe_pins"]
+    table.add_row("retargeted", f"from the recipe's bridge {rp['megatron_bridge'][:12]} + mcore {rp['mcore_base'][:12]} "
+                                f"(declared {rp['commits_between']} commits before upstream)")
+    for s in r["steps"]:
+        table.add_row(f"step {s['id']}", f"{s['status']}: {s['detail']}")
+    table.add_row("upstream hunks here", ", ".join(f"{k} {v}" for k, v in report_counts(r).items()))
 
 
 def _date_choice(date: Optional[str], release: bool, out: Path, check: bool) -> tuple[Optional[str], str]:
@@ -117,6 +133,8 @@ def _save_traceback(exc: BaseException, places: list) -> Optional[Path]:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--upstream", metavar="SHA", help="Upstream Megatron-LM commit to backport (full or unique short SHA). Default: the recipe's pin (5139086e).")
+@click.option("--bridge", "bridge", metavar="SHA", help="Megatron-Bridge commit to build on (full or unique short SHA); the MCore base is its .dev.commit and commits_between is measured. Default: the recipe's pins.")
+@click.option("--mcore-base", "mcore_base", metavar="SHA", help="MCore base other than the Bridge's .dev.commit; only with --allow-pin-mismatch.")
 @click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_RECIPE, show_default=True, help="Recipe YAML.")
 @click.option("--megatron-lm", metavar="URL|PATH", help="Megatron-LM remote or local mirror. Env MEGATRON_LM_REPO; default the GitHub URL.")
 @click.option("--megatron-bridge", metavar="URL|PATH", help="Megatron-Bridge remote or local mirror. Env MEGATRON_BRIDGE_REPO; default the GitHub URL.")
@@ -138,7 +156,7 @@ def _save_traceback(exc: BaseException, places: list) -> Optional[Path]:
 @click.option("--debug", "debug", is_flag=True, help="Print the traceback of an error (otherwise it goes to a log file whose path is printed).")
 @click.option("-v", "--verbose", "verbose", is_flag=True, help="Alias of --debug.")
 @click.version_option(__version__)
-def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, release, out,
+def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, release, out,
         allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks, summary, no_wait, debug,
         verbose):
     """Backport Megatron-LM chunkwise CP for Gated DeltaNet onto the pinned tree.
@@ -161,7 +179,8 @@ def cli(upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carr
             return
         with locks.policy(wait=not no_wait):
             _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date,
-                 release, out, allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks)
+                 release, out, allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks,
+                 bridge=bridge, mcore_base=mcore_base)
     except PipelineError as exc:
         if debug:
             err.print_exception()
@@ -234,7 +253,8 @@ def _carry_read_once(carry: Optional[Path]) -> Optional[Path]:
 
 
 def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, release, out,
-         allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks):
+         allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks, bridge=None,
+         mcore_base=None):
     from . import engine, locks, options as run_options, output
     from .cache import default_cache_dir
 
@@ -252,6 +272,7 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
             cache_dir=cache_dir or default_cache_dir(), carry=carry, date=run_options.parse_date(day),
             allow_pin_mismatch=allow_pin_mismatch, offline=offline, import_check=not no_import_check and not list_hunks,
             python=str(Path(python).absolute()) if "/" in python else python,
+            bridge=bridge, mcore_base=mcore_base,
         )
 
     def say(msg: str) -> None:
@@ -288,6 +309,8 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         if done:
             click.echo(f"recovered {out}: {done}", err=True)
         day, source = _date_choice(date, release, out, check)
+        if check and bridge is None and mcore_base is None:
+            bridge, mcore_base = _lock_pins(out, recipe, allow_pin_mismatch, say)
         opts = options(day)
         lock_day = output.lock_date(out) if check else None
         shown = f"{opts.date[:4]}-{opts.date[4:6]}-{opts.date[6:]}"
@@ -346,6 +369,30 @@ def _committed_lock(out: Path) -> Optional[dict]:
         return json.loads(repo.git.show(f"HEAD:{output.LOCK}"))
     except (git.exc.GitError, ValueError, OSError):
         return None
+
+
+def _lock_pins(out: Path, recipe: Path, allow_pin_mismatch: bool, say) -> tuple[Optional[str], Optional[str]]:
+    """(bridge, mcore_base) for ``--check`` of outputs written with ``--bridge``/``--mcore-base``:
+    the lock's pins where they differ from the recipe's (the base only with
+    ``--allow-pin-mismatch``, as when it was written); (None, None) on the recipe's own pins."""
+    from . import output
+    from .recipe import load_recipe
+
+    pins = (_read_json(out / output.LOCK) or {}).get("pins")
+    if not isinstance(pins, dict):
+        return None, None
+    try:
+        default = load_recipe(recipe)[0].pins
+    except PipelineError:
+        return None, None  # the build names the recipe's problem
+    bridge = pins.get("megatron_bridge")
+    bridge = bridge if isinstance(bridge, str) and bridge != default.megatron_bridge else None
+    base = pins.get("mcore_base")
+    base = base if (allow_pin_mismatch and isinstance(base, str) and base != pins.get("bridge_dev_commit")) else None
+    if bridge or base:
+        say(f"check: pins from {out / output.LOCK}: Megatron-Bridge {(bridge or default.megatron_bridge)[:12]}"
+            + (f", MCore base {base[:12]}" if base else ""))
+    return bridge, base
 
 
 def _print_summary(out: Path) -> None:

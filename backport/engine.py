@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import __version__
+from . import __version__, retarget
 from .carry import apply_carry, check_paths, load_carry, read_base
-from .errors import ApplyError, BindingExists, CacheDamaged, PinError, PipelineError, RecipeError, SourceError
+from .errors import ApplyError, BindingExists, CacheDamaged, PipelineError, RecipeError, SourceError
 from .recipe import AddFile, Recipe, Transform, Transplant, UpstreamFile, UpstreamHunks, check_coverage, load_recipe
 from .sources import Source, open_source
 from .transforms import REGISTRY
@@ -53,6 +53,8 @@ class Build:
     timings: dict
     cold: bool
     recipe: Recipe
+    #: per recipe step and upstream hunk, what happened at this base (:func:`retarget.step_report`)
+    report: Optional[dict] = None
 
 
 class _Run:
@@ -63,8 +65,12 @@ class _Run:
     """
 
     def __init__(self, recipe: Recipe, mlm: Source, upstream_sha: str, hunks: dict[str, UpstreamHunk],
-                 base_tree: Path, carry: Optional[Path], warn: Callable[[str], None] = lambda _m: None):
+                 base_tree: Path, carry: Optional[Path], warn: Callable[[str], None] = lambda _m: None,
+                 base_sha: Optional[str] = None):
         self.recipe, self.mlm, self.upstream_sha, self.hunks = recipe, mlm, upstream_sha, hunks
+        self.base_sha = base_sha
+        #: upstream hunk id / step id -> evidence that the base already has it (retargeted pins)
+        self.already: dict[str, str] = {}
         self.base_tree, self.carry, self.warn = base_tree, carry, warn
         self.ws = Workspace()
         self.origins: dict[str, dict] = {}
@@ -90,7 +96,10 @@ class _Run:
         if self.carry is not None:
             self._apply_carry()
         for step in self.recipe.steps:
-            self._apply_step(step)
+            try:
+                self._apply_step(step)
+            except PipelineError as exc:
+                raise retarget.annotate_failure(exc, step, self.base_tree)
 
     def _apply_carry(self) -> None:
         carry = load_carry(self.carry)
@@ -183,9 +192,9 @@ class _Run:
                         "would change nothing.",
                         hint=f"Drop {step.path} from the carried patch: step {step.id} takes the same file from "
                              "upstream.")
-                raise ApplyError(f"step {step.id}: {step.path} is already identical to upstream at the base.",
-                                 hint=f"Take step {step.id} out of the recipe and list its hunks under `excluded:` "
-                                      "with a why (e.g. 'already in the base').")
+                for hid in step.hunks:  # the base has the file already
+                    self.already[hid] = f"{step.path} at the base is byte-identical to upstream's"
+                return
             self._check_whole_file(step, state.text, content)
             state.replace_text(content, step.hunks[0])
             self._shadow_step(step.path, lambda _t: content)
@@ -201,6 +210,11 @@ class _Run:
                 try:
                     offset = state.apply_hunk(uh.hunk, hid, **kwargs)
                 except ApplyError as exc:
+                    # the base itself (not the carry, not an earlier step) already holds its result
+                    at = retarget.already_upstream(split_lines(self.base_text(uh.path) or ""), hunk_lines(uh.hunk))
+                    if at is not None and retarget.already_upstream(state.lines, hunk_lines(uh.hunk)) is not None:
+                        self.already[hid] = f"its result is at {uh.path}:{at} of the base"
+                        continue
                     blame = self._carry_blocks_upstream(step, hid, kwargs, exc)
                     if blame is not None:
                         raise blame from exc
@@ -217,6 +231,12 @@ class _Run:
                     self.warn(f"warning: upstream hunk {hid} placed at offset {offset:+d} lines")
         elif isinstance(step, Transplant):
             state = self.file(step.path)
+            have = self._prerequisite_at_base(step)
+            if have:
+                self.already[step.id] = have
+                self.origins[step.id] = {"kind": "prerequisite", "commit": step.commit, "upstream_ref": step.upstream_ref,
+                                         "symbols": step.symbols, "why": step.why, "status": "already-present"}
+                return
             up_text = self.mlm.read(step.commit, step.path).decode()
             new = transplant(state.text, up_text, step.symbols, step.path, step.commit[:12])
             before, tags = state.text, list(state.tags)
@@ -380,6 +400,18 @@ class _Run:
                  f"change, run with a --recipe without step {step.id} (the upstream hunks it adapts listed under "
                  "`excluded:` with a why).")
 
+    def _prerequisite_at_base(self, step) -> Optional[str]:
+        """Evidence that the base already has a prerequisite: it descends from the step's commit
+        and its file defines every symbol (so the base's own, later version stays); else None."""
+        if self.base_sha is None or not retarget.is_ancestor(self.mlm, step.commit, self.base_sha):
+            return None
+        text = self.base_text(step.path) or ""
+        names = set(retarget._defined_names(text))
+        if not all(sym in names for sym in step.symbols):
+            return None
+        return (f"the base descends from {step.commit[:12]} and {step.path} defines "
+                f"{', '.join(step.symbols)}; the base's version is kept")
+
     def _what(self, step) -> str:
         return f"transform {step.transform}" if getattr(step, "transform", None) else step.kind
 
@@ -538,34 +570,14 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
     timings = {}
     recipe, recipe_sha = load_recipe(opts.recipe)
     pins = recipe.pins
-    upstream_rev = opts.upstream or pins.upstream
-    needed_mlm = (upstream_rev, pins.mcore_base) + tuple(
-        s.commit for s in recipe.steps if isinstance(s, Transplant))
     progress("opening sources")
-    mlm = open_source("megatron-lm", opts.megatron_lm, opts.cache_dir, needed_mlm, progress, opts.offline)
-    bridge = open_source("megatron-bridge", opts.megatron_bridge, opts.cache_dir, (pins.megatron_bridge,),
-                         progress, opts.offline)
+    mlm, bridge, used = retarget.resolve(opts, recipe, progress)
     timings["sources_s"] = time.perf_counter() - t0
-
-    upstream_sha = mlm.resolve(upstream_rev)
-    if upstream_sha != pins.upstream:
-        raise RecipeError(
-            f"--upstream {upstream_rev} is {upstream_sha}, but recipe {opts.recipe} is written for {pins.upstream}.",
-            hint="Use the recipe's upstream commit, or write a recipe for the new commit.")
-    base_sha = mlm.resolve(pins.mcore_base)
-    bridge_sha = bridge.resolve(pins.megatron_bridge)
-    dev_commit = bridge.read(bridge_sha, ".dev.commit").decode().strip()
-    if dev_commit != base_sha and not opts.allow_pin_mismatch:
-        raise PinError(
-            f"MCore base pin {base_sha} differs from Megatron-Bridge {bridge_sha[:12]}'s .dev.commit ({dev_commit}).",
-            hint="Pin the base to the Bridge's .dev.commit, or pass --allow-pin-mismatch to override.")
-    if dev_commit != base_sha:
+    upstream_sha, base_sha, bridge_sha, dev_commit, between = (
+        used.upstream, used.base, used.bridge, used.dev_commit, used.between)
+    if dev_commit is not None and dev_commit != base_sha:
         progress(f"warning: MCore base {base_sha} differs from Megatron-Bridge {bridge_sha[:12]}'s .dev.commit "
                  f"({dev_commit}); allowed by --allow-pin-mismatch (recorded in the manifest)")
-    between = mlm.count_between(base_sha, upstream_sha)
-    if between != pins.commits_between:
-        raise PinError(f"{between} commits lie between base and upstream; the recipe expects {pins.commits_between}.",
-                       hint="The mirror's history differs from the recipe's; check the pins.")
 
     hunk_list = load_hunks(mlm, upstream_sha)
     dispositions = check_coverage(recipe, [h.id for h in hunk_list])
@@ -589,7 +601,7 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
     )
 
     def once(warn=lambda _m: None):
-        run = _Run(recipe, mlm, upstream_sha, hunks, base_tree, opts.carry, warn=warn)
+        run = _Run(recipe, mlm, upstream_sha, hunks, base_tree, opts.carry, warn=warn, base_sha=base_sha)
         run.apply()
         return run, make_patch(run.ws.changed(), header, base_tree)
 
@@ -638,6 +650,12 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
         "upstream_summary": dict(sorted(Counter(r["disposition"] for r in upstream_records).items())),
         "forbidden_strings": recipe.forbidden_strings,
     }
+    adapted = [h for h, (disp, _by) in dispositions.items() if disp == "adapted"]
+    report = retarget.step_report(recipe, run.origins, dispositions, [h.id for h in hunk_list], run.already,
+                                  retarget.verbatim_at_base(hunks, adapted, run.base_text))
+    if used.retargeted:  # the recipe's own pins: the recipe is the report (and the lock's bytes stay)
+        manifest["retarget"] = {"recipe_pins": {"megatron_bridge": pins.megatron_bridge, "mcore_base": pins.mcore_base,
+                                                "commits_between": pins.commits_between}, **report}
 
     t3 = time.perf_counter()
     progress("verifying")
@@ -647,7 +665,7 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
     timings["verify_s"] = time.perf_counter() - t3
     timings["total_s"] = time.perf_counter() - t0
     return Build(patch=patch_bytes, manifest=manifest, base_tree=base_tree, timings=timings,
-                 cold=mlm.cold or bridge.cold, recipe=recipe)
+                 cold=mlm.cold or bridge.cold, recipe=recipe, report=report)
 
 
 def patch_name(date: str, base_sha: str, carry_sha: Optional[str] = None) -> str:

@@ -104,6 +104,25 @@ class CheckMismatch(PipelineError):
                     "if the outputs on disk were made with --carry, pass the same --carry to --check.")
 
 
+class FeatureNative(PipelineError):
+    """The MCore base already contains the upstream commit: nothing to backport (exit 17).
+
+    Attributes:
+        base, upstream: full SHAs.
+        fixes: rows ``{"id", "what", "status", "evidence"}`` (status ``needed``,
+            ``already present`` or ``not applicable``) for our preserved downstream fixes and
+            our fixes beyond upstream, as far as the base's symbols tell.
+    """
+
+    exit_code = 17
+    default_hint = ("Use the base as it is (no backport needed); carry only the fixes marked needed, "
+                    "or pick a Bridge commit whose MCore base precedes the upstream commit (--bridge SHA).")
+
+    def __init__(self, message: str, base: str, upstream: str, fixes: list, hint=None):
+        super().__init__(message, hint=hint)
+        self.base, self.upstream, self.fixes = base, upstream, fixes
+
+
 class BusyError(PipelineError):
     """Another run holds the output folder or a cache entry, and ``--no-wait`` was given."""
 

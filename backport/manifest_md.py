@@ -6,6 +6,13 @@ above the table) and, for a carried hunk the recipe supersedes, the step and the
 from __future__ import annotations
 
 
+def retarget_markdown(m: dict) -> list:
+    """The retargeted-pins section (:func:`backport.retarget.render_markdown`)."""
+    from .retarget import render_markdown as render
+
+    return render(m)
+
+
 def _table(headers: list[str], rows: list[list]) -> list[str]:
     out = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
     out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
@@ -120,4 +127,5 @@ def render_markdown(m: dict) -> str:
     lines += _table(["upstream hunk", "lines", "disposition", "by", "reason (excluded)"], rows)
     lines += ["", "## Verification", ""]
     lines += _table(["check", "ok", "detail"], [[c["check"], "yes" if c["ok"] else "SKIPPED", c["detail"]] for c in m["verification"]])
+    lines += retarget_markdown(m)
     return "\n".join(lines) + "\n"

@@ -36,6 +36,10 @@ class Options:
         offline: use only the cache.
         import_check: run the import check (needs torch, triton 3.6 and FLA 0.4.2).
         python: interpreter for the import check.
+        bridge: Megatron-Bridge commit to build on (``--bridge``; None: the recipe's pin); the
+            MCore base is its ``.dev.commit``.
+        mcore_base: MCore base other than the Bridge's ``.dev.commit`` (``--mcore-base``; only
+            with ``allow_pin_mismatch``).
     """
 
     recipe: Path
@@ -49,6 +53,8 @@ class Options:
     offline: bool = False
     import_check: bool = True
     python: str = "python3"
+    bridge: Optional[str] = None
+    mcore_base: Optional[str] = None
 
 
 #: The dates outputs may carry: from the Unix epoch (SOURCE_DATE_EPOCH=0) to 9999-12-31, the
@@ -119,6 +125,11 @@ def validate(opts: Options) -> None:
     if day is None or day.year < 1970 or len(opts.date) != 8:
         raise UsageError(f"date {opts.date!r} is not a YYYYMMDD day from {DATE_RANGE[0]} to {DATE_RANGE[1]}.",
                          hint="For example --date 2026-11-29.")
+    if opts.mcore_base is not None and not opts.allow_pin_mismatch:
+        raise UsageError(f"--mcore-base {opts.mcore_base} differs from the Bridge's .dev.commit by design; "
+                         "it needs --allow-pin-mismatch.",
+                         hint="Drop --mcore-base (the base is read from the --bridge commit's .dev.commit), "
+                              "or add --allow-pin-mismatch.")
     if opts.import_check:
         python = opts.python
         found = python if "/" in python else shutil.which(python)
