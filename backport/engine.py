@@ -66,9 +66,12 @@ class _Run:
 
     def __init__(self, recipe: Recipe, mlm: Source, upstream_sha: str, hunks: dict[str, UpstreamHunk],
                  base_tree: Path, carry: Optional[Path], warn: Callable[[str], None] = lambda _m: None,
-                 base_sha: Optional[str] = None):
+                 base_sha: Optional[str] = None, retargeted: bool = False):
         self.recipe, self.mlm, self.upstream_sha, self.hunks = recipe, mlm, upstream_sha, hunks
         self.base_sha = base_sha
+        #: pins other than the recipe's (--bridge/--mcore-base): what the base already has is
+        #: reported, not refused; at the recipe's own pins the recipe must say so (excluded:)
+        self.retargeted = retargeted
         #: upstream hunk id / step id -> evidence that the base already has it (retargeted pins)
         self.already: dict[str, str] = {}
         self.base_tree, self.carry, self.warn = base_tree, carry, warn
@@ -192,6 +195,10 @@ class _Run:
                         "would change nothing.",
                         hint=f"Drop {step.path} from the carried patch: step {step.id} takes the same file from "
                              "upstream.")
+                if not self.retargeted:
+                    raise ApplyError(f"step {step.id}: {step.path} is already identical to upstream at the base.",
+                                     hint=f"Take step {step.id} out of the recipe and list its hunks under "
+                                          "`excluded:` with a why (e.g. 'already in the base').")
                 for hid in step.hunks:  # the base has the file already
                     self.already[hid] = f"{step.path} at the base is byte-identical to upstream's"
                 return
@@ -212,7 +219,8 @@ class _Run:
                 except ApplyError as exc:
                     # the base itself (not the carry, not an earlier step) already holds its result
                     at = retarget.already_upstream(split_lines(self.base_text(uh.path) or ""), hunk_lines(uh.hunk))
-                    if at is not None and retarget.already_upstream(state.lines, hunk_lines(uh.hunk)) is not None:
+                    if (self.retargeted and at is not None
+                            and retarget.already_upstream(state.lines, hunk_lines(uh.hunk)) is not None):
                         self.already[hid] = f"its result is at {uh.path}:{at} of the base"
                         continue
                     blame = self._carry_blocks_upstream(step, hid, kwargs, exc)
@@ -601,7 +609,8 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
     )
 
     def once(warn=lambda _m: None):
-        run = _Run(recipe, mlm, upstream_sha, hunks, base_tree, opts.carry, warn=warn, base_sha=base_sha)
+        run = _Run(recipe, mlm, upstream_sha, hunks, base_tree, opts.carry, warn=warn, base_sha=base_sha,
+                   retargeted=used.retargeted)
         run.apply()
         return run, make_patch(run.ws.changed(), header, base_tree)
 

@@ -319,7 +319,9 @@ def annotate_failure(exc: PipelineError, step, base_tree: Optional[Path]) -> Pip
     it went. Returns ``exc`` (changed in place)."""
     path = getattr(step, "path", None)
     exc.step, exc.path = step.id, path
-    if not exc.message.startswith(("step ", "recipe step ", "carried hunk ")):
+    if path and exc.message.startswith(f"{path}: "):  # the step's file is named once, in the prefix
+        exc.message = f"recipe step {step.id} ({path}): {exc.message[len(path) + 2:]}"
+    elif not exc.message.startswith(("step ", "recipe step ", "carried hunk ", "carried patch ", "upstream hunk ")):
         exc.message = f"recipe step {step.id} ({path or step.kind}): {exc.message}"
     m = _ANCHOR.search(exc.message)
     if m and base_tree is not None and isinstance(exc, ApplyError):

@@ -17,6 +17,7 @@ hunks' dispositions at that base, the native rows' fix statuses, seconds.
 
 from __future__ import annotations
 
+
 import argparse
 import json
 import os
@@ -31,6 +32,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from backport.errors import FeatureNative  # noqa: E402  (the native exit code, one source of truth)
+
 MLM = "/work/.mirror/NVIDIA+Megatron-LM/repo"
 BRIDGE = "/work/.mirror/NVIDIA-NeMo+Megatron-Bridge/repo"
 RECIPE = ROOT / "manifests" / "gdn-chunkwise-cp.yaml"
@@ -91,7 +95,7 @@ def run_one(py: str, sha: str, day: str, mlm: str, bridge_repo: str, cache: str,
                                                   if "applies verbatim at this base" in h["detail"])
         row["not_as_recipe"] = {s["id"]: f"{s['status']}: {s['detail']}" for s in report.get("steps", [])
                                 if s["status"].startswith("already")}
-    elif p.returncode == 16:
+    elif p.returncode == FeatureNative.exit_code:
         row["verdict"] = "native"
         row["fixes"] = dict(FIX.findall(p.stderr))
     else:

@@ -186,7 +186,7 @@ def test_a_transform_whose_anchor_the_base_lacks_keeps_the_recipe_message_with_o
         tmp_path, fake_repos, make_options, recipe):
     moved = gdn_text().replace("def get_parameter_local_cp(", "def local_cp_slice(")
     exc = _run_on(tmp_path, fake_repos, make_options, recipe, moved, path=GDN)
-    assert exc.message == f"{GDN}: anchor function 'get_parameter_local_cp' not found."
+    assert exc.message == f"recipe step adapt-none-group ({GDN}): anchor function 'get_parameter_local_cp' not found."
     assert exc.hint == ApplyError.default_hint  # the base changed under the recipe: update the step
     carry = _carry(tmp_path, {GDN: moved}, {GDN: moved.replace("cp_rank = cp_group.rank()", "cp_rank = 0")})
     again = _run_on(tmp_path / "with-carry", fake_repos, make_options, recipe, moved, carry, path=GDN)

@@ -126,7 +126,7 @@ def test_cli_native_prints_message_and_exits_17(tmp_path, fake_repos, bridges, r
     lines = result.stderr.rstrip("\n").splitlines()
     assert lines[-2].startswith("error: MCore base ") and "chunkwise CP is native; nothing to backport" in lines[-2]
     assert lines[-1].startswith("hint: ") and result.stdout == ""
-    assert "16 | native" in (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "17 | native" in (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert not (tmp_path / "out" / output.LOCK).exists()
 
 
@@ -242,7 +242,7 @@ def test_pin_sweep_lists_the_later_pins_and_says_written_or_native(tmp_path, fak
     assert [r["verdict"] for r in rows] == ["patch written", "native"]
     assert rows[0]["steps"]["prereq-resolve"] == "already present at the base" and rows[0]["exit"] == 0
     assert rows[1]["exit"] == 17 and rows[1]["fixes"]["fix-tuple-index"] == "needed"
-    assert "| native | 16 |" in (tmp_path / "res" / "sweep.md").read_text()
+    assert "| native | 17 |" in (tmp_path / "res" / "sweep.md").read_text()
 
 
 def test_bridge_without_dev_commit_is_a_source_error_naming_it(tmp_path, make_options, fake_repos, recipe_on, bridges):
