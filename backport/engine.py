@@ -299,8 +299,8 @@ class _Run:
         if base is None:
             return after
         superseded = {k for k, v in self.origins.items() if v.get("status") == "superseded"}
-        fix_forms = [(s.id, FIX_FORMS[s.transform]) for s in self.recipe.steps
-                     if isinstance(s, Transform) and s.kind == "fix" and s.path == step.path and s.transform in FIX_FORMS]
+        fix_forms = [(s.id, FIX_FORMS[s.transform]) for s in self.recipe.steps if isinstance(s, Transform)
+                     and s.kind == "fix" and s.path == step.path and s.transform in FIX_FORMS]
         kept: list = []
         merged = merge_carried_functions(base, before, after, hunks, step, step.path, superseded,
                                          fix_forms=fix_forms, kept_forms=kept)

@@ -56,6 +56,7 @@ def render_markdown(m: dict) -> str:
         if o.get("status") == "superseded":
             why += f" Superseded by `{o.get('superseded_by', '?')}`: {o.get('superseded_why', '')}"
         for kept in o.get("kept_forms") or []:
+            why += "" if not why or why.endswith(".") else "."
             why += (f" Kept in the carried form: `{kept['wrapper'][0].strip()}` around "
                     f"`{', '.join(kept['around'])}` in step `{kept['step']}`'s new `{kept['symbol']}` "
                     f"(preserved fix `{kept['fix']}`).")
