@@ -307,7 +307,7 @@ class _Run:
         for rec in kept:  # the user's form of a preserved fix, carried onto the step's statement
             for oid in rec["hunks"]:
                 self.origins[oid].setdefault("kept_forms", []).append(
-                    {k: rec[k] for k in ("step", "fix", "symbol", "wrapper", "around", "restated", "replaced")})
+                    {k: rec[k] for k in ("kind", "step", "fix", "symbol", "wrapper", "around", "restated", "replaced")})
         return merged
 
     def _upstream_origin(self, hid: str, kind: str, step, offset: int) -> dict:

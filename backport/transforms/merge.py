@@ -229,7 +229,8 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
                     blocking.append((live[0], c))
                     break
             if blocking and fix_forms:
-                kept = _carry_wrappers(base, before, after, qual, own, step, superseded, fix_forms)
+                kept = (_carry_wrappers(base, before, after, qual, own, step, superseded, fix_forms)
+                        or _carry_call_wrappers(base, before, after, qual, own, step, superseded, fix_forms))
                 if kept is not None:
                     after = kept[0]
                     if kept_forms is not None:
@@ -432,6 +433,92 @@ def _carry_wrappers(base: str, before: str, after: str, qual: str, own: list, st
             "around": sorted({name for _, names in want for name in names}),
             "restated": [ln.rstrip("\r\n") for ln in c_lines[w.body[0].lineno - 1:w.end_lineno] if ln.strip()],
             "replaced": [ln.rstrip("\r\n") for ln in b_lines[run[0].lineno - 1:run[-1].end_lineno] if ln.strip()],
+            "kind": "with",
         })
         text = candidate
     return text, records
+
+
+def _segment_replace(text: str, node, new: str) -> str:
+    """``text`` with the source of ``node`` (its exact line/column span) replaced by ``new``."""
+    lines = split_lines(text)
+    offsets = [0]
+    for ln in lines:
+        offsets.append(offsets[-1] + len(ln))
+
+    def at(lineno: int, col: int) -> int:  # ast columns count UTF-8 bytes
+        return offsets[lineno - 1] + len(lines[lineno - 1].encode("utf-8")[:col].decode("utf-8"))
+
+    return text[:at(node.lineno, node.col_offset)] + new + text[at(node.end_lineno, node.end_col_offset):]
+
+
+def _carry_call_wrappers(base: str, before: str, after: str, qual: str, own: list, step, superseded: set,
+                         fix_forms: Sequence):
+    """The other call-site form: the carried patch wrapped a callee, ``f(args)`` ->
+    ``wrap(f)(args)`` (e.g. ``torch.compiler.disable(self._prepare_qkv_for_gated_delta_rule)(...)``),
+    in a function the step rewrote. Judged on the AST like :func:`_carry_wrappers`: the ancestor
+    calls ``f`` with the same arguments exactly once; without the wrapper the rest of the carry
+    must merge cleanly; the wrapper (as written) then goes around ``f`` of the one call of
+    ``f`` in the new body (its arguments may differ), kept only when a preserved fix's
+    recogniser confirms it. Returns ``(after, records)`` or None, as :func:`_carry_wrappers`.
+    """
+    try:
+        b_fn, c_fn = (_function_node(ast.parse(t), qual) for t in (base, before))
+    except SyntaxError:
+        return None
+    if b_fn is None or c_fn is None:
+        return None
+    wraps = []
+    for call in ast.walk(c_fn):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Call) and len(call.func.args) == 1
+                and not call.func.keywords and isinstance(call.func.args[0], (ast.Name, ast.Attribute))):
+            continue
+        inner = call.func.args[0]
+        same = [c for c in ast.walk(b_fn) if isinstance(c, ast.Call) and ast.dump(c.func) == ast.dump(inner)
+                and [ast.dump(a) for a in c.args] == [ast.dump(a) for a in call.args]
+                and [ast.dump(k) for k in c.keywords] == [ast.dump(k) for k in call.keywords]]
+        if len(same) == 1:
+            wraps.append((call, inner, same[0]))
+    if len(wraps) != 1:
+        return None
+    call, inner, base_call = wraps[0]
+    wrapper = ast.get_source_segment(before, call.func)
+    c0_text = _segment_replace(before, call.func, ast.get_source_segment(before, inner))
+    spans = [_span(t, qual) for t in (base, c0_text, after)]
+    if None in spans:
+        return None
+    b_sym, c_sym, a_sym = ("".join(split_lines(t)[s:e]) for t, (s, e) in zip((base, c0_text, after), spans))
+    merged, n = merge3(a_sym, b_sym, c_sym)
+    if n:
+        for c in _conflicts(merged):
+            if not _kept_by_new(c) and any(h.oid not in superseded for h in _culprits(c, own)):
+                return None
+        merged, _ = merge3(a_sym, b_sym, c_sym, favour_ours=True)
+    lines = split_lines(after)
+    s, e = spans[2]
+    text = "".join(lines[:s] + split_lines(merged) + lines[e:])
+    try:
+        fn = _function_node(ast.parse(text), qual)
+    except SyntaxError:
+        return None
+    targets = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and ast.dump(c.func) == ast.dump(inner)] if fn else []
+    if len(targets) != 1:
+        return None
+    candidate = _segment_replace(text, targets[0].func, wrapper)
+    try:
+        ast.parse(candidate)
+    except SyntaxError:
+        return None
+    fix = next((fid for fid, recognise in fix_forms if _state(recognise, before) == "present"
+                and _state(recognise, text) != "present" and _state(recognise, candidate) == "present"), None)
+    if fix is None:
+        return None
+    c_lines = split_lines(before)
+    carried = [ln.rstrip("\r\n") for ln in c_lines[call.lineno - 1:call.end_lineno] if ln.strip()]
+    return candidate, [{
+        "hunks": sorted(h.oid for h in own if set(carried) & {ln.rstrip("\r\n") for ln in h.added}),
+        "step": step.id, "fix": fix, "symbol": qual, "wrapper": [wrapper], "around": [ast.unparse(inner)],
+        "restated": carried, "kind": "call",
+        "replaced": [ln.rstrip("\r\n") for ln in split_lines(base)[base_call.lineno - 1:base_call.end_lineno]
+                     if ln.strip()],
+    }]

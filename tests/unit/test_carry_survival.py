@@ -380,7 +380,7 @@ def test_call_site_dynamo_guard_is_carried_onto_the_rewritten_call(tmp_path, hea
                      "symbol": "GatedDeltaNet.forward", "wrapper": [header.rstrip("\n")],
                      "around": ["self._prepare_qkv_for_gated_delta_rule"],
                      "restated": [ln.rstrip("\n") for ln in _wrapped(CALL_BASE, "").splitlines(keepends=True)],
-                     "replaced": CALL_BASE.splitlines()}]
+                     "replaced": CALL_BASE.splitlines(), "kind": "with"}]
     # the fix step that runs next finds its effect already there and keeps @jit_fuser
     fixed = REGISTRY["fix_prepare_qkv_no_dynamo"](out, "m/gdn.py")
     assert fixed == Result(out, "already-present") and "    @jit_fuser\n    def _prepare" in out
@@ -459,13 +459,18 @@ def test_any_preserved_fix_recogniser_lets_its_form_be_carried(tmp_path):
     assert [k["fix"] for k in kept] == ["fix-no-grad"]
 
 
-def test_carry_survival_checks_the_kept_guard_not_the_restated_call(tmp_path):
+@pytest.mark.parametrize("user, named", [
+    (GDN_BASE.replace(CALL_BASE, _wrapped(CALL_BASE, CONFIG_PATCH)), "torch._dynamo.config.patch(disable=True)"),
+    (GDN_BASE.replace("= self._prepare_qkv_for_gated_delta_rule(\n",
+                      "= torch.compiler.disable(self._prepare_qkv_for_gated_delta_rule)(\n"),
+     "torch.compiler.disable(self._prepare_qkv_for_gated_delta_rule)"),
+])
+def test_carry_survival_checks_the_kept_guard_not_the_restated_call(tmp_path, user, named):
     from types import SimpleNamespace
 
     from backport.verify import carry_survival
 
-    patch = git_diff(tmp_path / "carry-src", {"m/gdn.py": GDN_BASE},
-                     {"m/gdn.py": GDN_BASE.replace(CALL_BASE, _wrapped(CALL_BASE, CONFIG_PATCH))})
+    patch = git_diff(tmp_path / "carry-src", {"m/gdn.py": GDN_BASE}, {"m/gdn.py": user})
     (tmp_path / "c.patch").write_text(patch)
     (tmp_path / "base" / "m").mkdir(parents=True)
     (tmp_path / "base" / "m" / "gdn.py").write_text(GDN_BASE)
@@ -482,4 +487,18 @@ def test_carry_survival_checks_the_kept_guard_not_the_restated_call(tmp_path):
     ws.files["m/gdn.py"].replace_text(rewrite_gdn_forward(GDN_BASE), "a-later-step")
     with pytest.raises(VerificationError) as exc:
         carry_survival(run)
-    assert "carry:m/gdn.py#1" in exc.value.message and "torch._dynamo.config.patch(disable=True)" in exc.value.message
+    assert "carry:m/gdn.py#1" in exc.value.message and named in exc.value.message
+
+
+def test_call_site_disable_wrapper_is_carried_onto_the_rewritten_call(tmp_path):
+    """The other call-site form, torch.compiler.disable(self._prepare...)(...), by the same rule."""
+    wrap = "torch.compiler.disable(self._prepare_qkv_for_gated_delta_rule)("
+    user = GDN_BASE.replace("= self._prepare_qkv_for_gated_delta_rule(\n", f"= {wrap}\n")
+    hunks, carried = _gdn_carried(tmp_path, user)
+    kept = []
+    out = merge_carried_functions(GDN_BASE, carried, rewrite_gdn_forward(carried), hunks, _ForwardStep, "m/gdn.py",
+                                  set(), fix_forms=DYNAMO_FORMS, kept_forms=kept)
+    assert out == rewrite_gdn_forward(GDN_BASE).replace("= self._prepare_qkv_for_gated_delta_rule(\n", f"= {wrap}\n")
+    assert [(k["kind"], k["fix"], k["wrapper"]) for k in kept] == [
+        ("call", "fix-prepare-qkv-no-dynamo", ["torch.compiler.disable(self._prepare_qkv_for_gated_delta_rule)"])]
+    assert REGISTRY["fix_prepare_qkv_no_dynamo"](out, "m/gdn.py").status == "already-present"
