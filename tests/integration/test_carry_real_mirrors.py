@@ -141,6 +141,19 @@ def test_call_site_dynamo_guard_is_kept_in_the_users_form(guarded, tmp_path):
     patch = guarded.patch.decode()
     assert "torch.compiler.disable" not in patch and "-    @jit_fuser" not in patch  # our decorator not added
     assert {c["check"]: c["ok"] for c in m["verification"]}["carry_survival"]
+    from backport.manifest_md import render_markdown
+
+    assert "Kept in the carried form: `with torch._dynamo.config.patch(disable=True):`" in render_markdown(m)
+
+
+def test_call_site_disable_wrapper_is_kept_in_the_users_form(tmp_path, cache):
+    head = "        query, key, value, gate, beta, alpha = self._prepare_qkv_for_gated_delta_rule(\n"
+    wrapped = ("        query, key, value, gate, beta, alpha = torch.compiler.disable(\n"
+               "            self._prepare_qkv_for_gated_delta_rule\n        )(\n")
+    b = _build(cache, _carry(tmp_path, lambda t: t.replace(head, wrapped, 1)))
+    assert b.manifest["origins"]["fix-prepare-qkv-no-dynamo"]["status"] == "already-present"
+    assert wrapped + "            qkv, gate, beta, alpha, batch, seq_len, cp_size_headwise\n" in _forward_of(b, tmp_path)
+    assert "+    @torch.compiler.disable" not in b.patch.decode()
 
 
 def test_call_site_context_manager_that_is_no_fix_form_is_exit_6(tmp_path, cache):
