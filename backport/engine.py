@@ -22,6 +22,7 @@ from .errors import ApplyError, BindingExists, CacheDamaged, PipelineError, Reci
 from .recipe import AddFile, Recipe, Transform, Transplant, UpstreamFile, UpstreamHunks, check_coverage, load_recipe
 from .sources import Source, open_source
 from .transforms import REGISTRY
+from .transforms.fixes import FIX_FORMS
 from .transforms.merge import CONFLICT_HINT, merge3, merge_carried_functions
 from .transforms.transplant import transplant
 from .tree import assemble_base_tree
@@ -507,7 +508,16 @@ class _Run:
         if base is None:
             return after
         superseded = {k for k, v in self.origins.items() if v.get("status") == "superseded"}
-        return merge_carried_functions(base, before, after, hunks, step, step.path, superseded)
+        fix_forms = [(s.id, FIX_FORMS[s.transform]) for s in self.recipe.steps if isinstance(s, Transform)
+                     and s.kind == "fix" and s.path == step.path and s.transform in FIX_FORMS]
+        kept: list = []
+        merged = merge_carried_functions(base, before, after, hunks, step, step.path, superseded,
+                                         fix_forms=fix_forms, kept_forms=kept)
+        for rec in kept:  # the user's form of a preserved fix, carried onto the step's statement
+            for oid in rec["hunks"]:
+                self.origins[oid].setdefault("kept_forms", []).append(
+                    {k: rec[k] for k in ("kind", "step", "fix", "symbol", "wrapper", "around", "restated", "replaced")})
+        return merged
 
     def _upstream_origin(self, hid: str, kind: str, step, offset: int) -> dict:
         uh = self.hunks[hid]

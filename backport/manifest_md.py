@@ -105,6 +105,11 @@ def render_markdown(m: dict) -> str:
         why = o.get("why", "")
         if o.get("status") == "superseded":
             why += f" Superseded by `{o.get('superseded_by', '?')}`: {o.get('superseded_why', '')}"
+        for kept in o.get("kept_forms") or []:
+            why += "" if not why or why.endswith(".") else "."
+            why += (f" Kept in the carried form: `{' '.join(kept['wrapper'][0].split())}` around "
+                    f"`{', '.join(kept['around'])}` in step `{kept['step']}`'s new `{kept['symbol']}` "
+                    f"(preserved fix `{kept['fix']}`).")
         offset = f"{o['offset']:+d}" if o.get("offset") else ("0" if "offset" in o else "")
         made_by = next((f"{key} `{o[key]}`" for key in ("transform", "template") if o.get(key)), "")
         if not made_by and o.get("step"):

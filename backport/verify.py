@@ -200,8 +200,14 @@ def carry_survival(run) -> dict:
             if run.origins.get(h.oid, {}).get("status") == "superseded":
                 superseded += 1
                 continue
+            kept = run.origins.get(h.oid, {}).get("kept_forms") or []
+            for form in kept:
+                _check_kept_form(h, form, final_text)
             for sign, symbol, lines in _by_symbol(h):
                 where = f"carried hunk {h.n} of {h.path} ({h.oid}) in {symbol or 'module level'}"
+                # statements a kept form wraps are the step's now (checked by _check_kept_form)
+                restated = {ln for f in kept for ln in f["restated" if sign == "+" else "replaced"]}
+                lines = [ln for ln in lines if ln.rstrip("\r\n") not in restated]
                 final = _region(final_text, symbol)
                 if final is None:
                     if sign == "-":
@@ -226,6 +232,38 @@ def carry_survival(run) -> dict:
     detail = (f"{checked} carried hunk(s): added lines present, removed lines absent, in their symbols"
               + (f"; {superseded} superseded by the recipe" if superseded else ""))
     return {"check": "carry_survival", "ok": True, "detail": detail}
+
+
+def _check_kept_form(h, form: dict, final_text: str) -> None:
+    """A carried ``with`` block kept around the step's statement (a preserved fix in the
+    user's form, see :func:`backport.transforms.merge._carry_wrappers`) is still there: a
+    ``with`` whose header is the carried one holds a call of the same callee.
+
+    Raises:
+        VerificationError: naming the carried hunk, its symbol and the header line.
+    """
+    import ast
+
+    header = form["wrapper"][0]
+    try:
+        tree = ast.parse(final_text)
+    except SyntaxError:
+        tree = None
+    node = tree
+    for name in form["symbol"].split("."):
+        node = next((n for n in getattr(node, "body", []) if getattr(n, "name", None) == name), None)
+    lines = [ln.rstrip("\r\n") for ln in split_lines(final_text)]
+    if form.get("kind") == "call":  # wrap(f)(...): a call whose callee is the carried wrapper
+        want = ast.dump(ast.parse(header.strip(), mode="eval").body)
+        if any(isinstance(c, ast.Call) and ast.dump(c.func) == want for c in ast.walk(node or ast.Module([], []))):
+            return
+    for w in (ast.walk(node) if node is not None else []):
+        if isinstance(w, (ast.With, ast.AsyncWith)) and lines[w.lineno - 1].strip() == header.strip():
+            calls = {ast.unparse(c.func) for st in w.body for c in ast.walk(st) if isinstance(c, ast.Call)}
+            if calls & set(form["around"]):
+                return
+    _fail("carry_survival", f"carried hunk {h.n} of {h.path} ({h.oid}) in {form['symbol']}: the carried "
+          f"{header.strip()!r} around {', '.join(form['around'])} is missing from the output", hint=_SURVIVAL_HINT)
 
 
 def _by_symbol(h) -> list:

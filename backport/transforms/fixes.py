@@ -271,3 +271,13 @@ class _TupleIndex(cst.CSTTransformer):
             self.done = True
             return updated.with_changes(slice=[cst.SubscriptElement(slice=cst.Index(value=cst.parse_expression("tuple(slices)")))])
         return updated
+
+
+#: Recognisers of the preserved fixes, by transform name: ``text -> (state, form)`` with state
+#: ``present`` / ``absent`` / ``undecidable``. The three-way merge consults those of the
+#: recipe's ``fix`` steps to carry a fix's equivalent form into a function a step rewrites
+#: (:func:`backport.transforms.merge._carry_wrappers`).
+FIX_FORMS: dict[str, Callable[[str], tuple[str, str]]] = {
+    "fix_prepare_qkv_no_dynamo": dynamo_state,
+    "fix_local_cp_tuple_index": tuple_index_state,
+}

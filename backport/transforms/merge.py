@@ -13,7 +13,9 @@ symbol the carry removed fails. A step whose version still holds every carried c
 left as it is (no merge), and a merge that would repeat a carried line fails. A real conflict fails
 (exit 6) naming the carried hunk (file, hunk number, first conflicting line) and the step,
 unless every conflicting hunk is declared ``superseded`` in the recipe: then the new body
-wins there.
+wins there, or unless the conflict is a preserved fix in the user's form (a ``with`` block
+around a call, e.g. Dynamo off at ``forward``'s call site of the helper fix 7a protects):
+then :func:`_carry_wrappers` puts that block around the same call of the new body.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import ast
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..errors import ApplyError
 from ..gitenv import isolated
@@ -147,7 +149,7 @@ def _first_conflicting_line(conflict: dict) -> str:
 
 
 def merge_carried_functions(base: str, before: str, after: str, hunks: list, step, path: str,
-                            superseded: set) -> str:
+                            superseded: set, fix_forms: Sequence = (), kept_forms: Optional[list] = None) -> str:
     """Merge the carried delta of every function/class the carry touched into ``after``.
 
     Args:
@@ -158,6 +160,11 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
         hunks: carried hunks of this file (:class:`~backport.carry.CarryHunk`, with ``symbol``).
         step: the recipe step (``id``, and ``transform`` when it has one).
         superseded: ids of carried hunks the recipe declares superseded.
+        fix_forms: ``(fix step id, recogniser)`` of the recipe's preserved fixes for this file
+            (:data:`backport.transforms.fixes.FIX_FORMS`): a conflicting carried ``with`` block
+            that is a fix's equivalent form is carried onto the same call of the new body
+            (:func:`_carry_wrappers`) instead of failing.
+        kept_forms: when given, receives one record per carried ``with`` block kept so.
 
     Returns:
         ``after`` with the carried changes merged back (unchanged when nothing was lost).
@@ -221,6 +228,14 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
                 if live:
                     blocking.append((live[0], c))
                     break
+            if blocking and fix_forms:
+                kept = (_carry_wrappers(base, before, after, qual, own, step, superseded, fix_forms)
+                        or _carry_call_wrappers(base, before, after, qual, own, step, superseded, fix_forms))
+                if kept is not None:
+                    after = kept[0]
+                    if kept_forms is not None:
+                        kept_forms.extend(kept[1])
+                    continue
             if blocking:
                 h, c = blocking[0]
                 raise ApplyError(
@@ -249,3 +264,261 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
                 hint=CONFLICT_HINT.format(oid=h.oid, step=step.id)) from exc
         after = candidate
     return after
+
+
+# --- a preserved fix's equivalent form inside a rewritten function -------------------------------
+
+def _function_node(tree: ast.Module, qual: str):
+    """The def/class ``qual`` (``A.b``) of ``tree``, or None (also for ``name[2]`` duplicates)."""
+    node = tree
+    for name in qual.split("."):
+        node = next((n for n in getattr(node, "body", []) if isinstance(
+            n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name), None)
+        if node is None:
+            return None
+    return node
+
+
+def _blocks(fn) -> list:
+    """Every statement list inside ``fn`` (bodies, else/finally branches, handlers, cases)."""
+    out = []
+    for node in ast.walk(fn):
+        for name in ("body", "orelse", "finalbody"):
+            seq = getattr(node, name, None)
+            if isinstance(seq, list) and seq and isinstance(seq[0], ast.stmt):
+                out.append(seq)
+    return out
+
+
+def _runs(fn, want: list, key) -> list:
+    """Consecutive statement runs of ``fn`` whose ``key`` per statement equals ``want``."""
+    found = []
+    for seq in _blocks(fn):
+        keys = [key(s) for s in seq]
+        found += [seq[i:i + len(want)] for i in range(len(seq) - len(want) + 1) if keys[i:i + len(want)] == want]
+    return found
+
+
+def _callees(stmt) -> tuple:
+    """What a statement is, for finding "the same call" in a rewritten body: its kind and
+    the dotted names it calls (``self._prepare_qkv_for_gated_delta_rule``), arguments aside."""
+    names = set()
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Call):
+            parts, f = [], node.func
+            while isinstance(f, ast.Attribute):
+                parts.append(f.attr)
+                f = f.value
+            if isinstance(f, ast.Name):
+                names.add(".".join([f.id] + parts[::-1]))
+    return type(stmt).__name__, tuple(sorted(names))
+
+
+def _indent_of(line: str) -> str:
+    return line[:len(line) - len(line.lstrip(" \t"))]
+
+
+def _starts_line(lines: list, stmt) -> bool:
+    return not lines[stmt.lineno - 1][:stmt.col_offset].strip()
+
+
+def _state(recognise, text: str) -> str:
+    try:
+        return recognise(text)[0]
+    except (ApplyError, SyntaxError, ValueError):
+        return "unknown"
+
+
+def _carry_wrappers(base: str, before: str, after: str, qual: str, own: list, step, superseded: set,
+                    fix_forms: Sequence):
+    """Carry the user's form of a preserved fix into a function the step rewrote.
+
+    The carried patch wrapped statements of ``qual`` in a ``with`` block (e.g. ``with
+    torch._dynamo.config.patch(disable=True):`` around the call of the helper fix 7a keeps
+    away from Dynamo), and the step rewrote those statements, so the line merge conflicts.
+    Judged on the AST, not the text: the block's body equals (``ast.dump``) one statement run
+    of the ancestor's ``qual``. Without that block the rest of the carry must merge cleanly;
+    then the block goes, as the user wrote its header, around the one run of the new body
+    that makes the same calls (kind of statement and dotted callees; arguments may differ).
+    Kept only when a preserved fix's recogniser (``fix_forms``) says the effect is present in
+    the carried file and the result, and absent in the result without the block; never
+    guessed: any other case returns None (the caller reports the conflict).
+
+    Returns:
+        ``(after with the merged qual, records)`` or None. A record: ``hunks`` (carried hunk
+        ids holding the block's header), ``step``, ``fix``, ``wrapper`` (header lines),
+        ``around`` (the callees), ``restated`` (carried lines of the block's body, now the
+        step's statements) and ``replaced`` (the ancestor's lines of that run).
+    """
+    try:
+        trees = [ast.parse(t) for t in (base, before)]
+    except SyntaxError:
+        return None
+    b_fn, c_fn = (_function_node(t, qual) for t in trees)
+    if b_fn is None or c_fn is None:
+        return None
+    b_lines, c_lines = split_lines(base), split_lines(before)
+    b_withs = [ast.dump(w) for w in ast.walk(b_fn) if isinstance(w, (ast.With, ast.AsyncWith))]
+    wraps = []
+    for w in ast.walk(c_fn):
+        if not isinstance(w, (ast.With, ast.AsyncWith)) or ast.dump(w) in b_withs:
+            continue
+        if any(o.lineno <= w.lineno and w.end_lineno <= o.end_lineno for o, _ in wraps):
+            continue  # inside a block already taken
+        runs = _runs(b_fn, [ast.dump(s) for s in w.body], ast.dump)
+        if len(runs) != 1 or not all(_starts_line(c_lines, s) for s in (w, *w.body)) \
+                or not _starts_line(b_lines, runs[0][0]):
+            continue  # not a block around base statements: an ordinary edit, left to the line merge
+        wraps.append((w, runs[0]))
+    if not wraps:
+        return None
+    # the carried file without the blocks: the ancestor's lines of each run in their place
+    c0 = list(c_lines)
+    for w, run in sorted(wraps, key=lambda wr: -wr[0].lineno):
+        c0[w.lineno - 1:w.end_lineno] = b_lines[run[0].lineno - 1:run[-1].end_lineno]
+    c0_text = "".join(c0)
+    spans = [_span(t, qual) for t in (base, c0_text, after)]
+    if None in spans:
+        return None
+    b_sym, c_sym, a_sym = ("".join(split_lines(t)[s:e]) for t, (s, e) in zip((base, c0_text, after), spans))
+    merged, n = merge3(a_sym, b_sym, c_sym)
+    if n:
+        for c in _conflicts(merged):
+            if not _kept_by_new(c) and any(h.oid not in superseded for h in _culprits(c, own)):
+                return None
+        merged, _ = merge3(a_sym, b_sym, c_sym, favour_ours=True)
+    lines = split_lines(after)
+    s, e = spans[2]
+    text = "".join(lines[:s] + split_lines(merged) + lines[e:])
+    records = []
+    for w, run in sorted(wraps, key=lambda wr: wr[0].lineno):
+        try:
+            fn = _function_node(ast.parse(text), qual)
+        except SyntaxError:
+            return None
+        want = [_callees(st) for st in w.body]
+        if fn is None or not any(names for _, names in want):
+            return None
+        targets = _runs(fn, want, _callees)
+        if len(targets) != 1:
+            return None
+        target = targets[0]
+        t_lines = split_lines(text)
+        if not _starts_line(t_lines, target[0]) or any(
+                isinstance(n, ast.Constant) and isinstance(n.value, str) and n.end_lineno > n.lineno
+                for st in target for n in ast.walk(st)):
+            return None  # re-indenting would change a multi-line string
+        w_indent, body_indent = _indent_of(c_lines[w.lineno - 1]), _indent_of(c_lines[w.body[0].lineno - 1])
+        header = c_lines[w.lineno - 1:w.body[0].lineno - 1]
+        if not body_indent.startswith(w_indent) or any(ln.strip() and not ln.startswith(w_indent) for ln in header):
+            return None
+        at = _indent_of(t_lines[target[0].lineno - 1])
+        first, last = target[0].lineno - 1, target[-1].end_lineno
+        wrapped = ([at + ln[len(w_indent):] if ln.strip() else ln for ln in header]
+                   + [body_indent[len(w_indent):] + ln if ln.strip() else ln for ln in t_lines[first:last]])
+        candidate = "".join(t_lines[:first] + wrapped + t_lines[last:])
+        try:
+            ast.parse(candidate)
+        except SyntaxError:
+            return None
+        fix = next((fid for fid, recognise in fix_forms if _state(recognise, before) == "present"
+                    and _state(recognise, text) != "present" and _state(recognise, candidate) == "present"), None)
+        if fix is None:
+            return None
+        head = {ln.rstrip("\r\n") for ln in header if ln.strip()}
+        records.append({
+            "hunks": sorted(h.oid for h in own if head & {ln.rstrip("\r\n") for ln in h.added}),
+            "step": step.id, "fix": fix, "symbol": qual,
+            "wrapper": [ln.rstrip("\r\n") for ln in header if ln.strip()],
+            "around": sorted({name for _, names in want for name in names}),
+            "restated": [ln.rstrip("\r\n") for ln in c_lines[w.body[0].lineno - 1:w.end_lineno] if ln.strip()],
+            "replaced": [ln.rstrip("\r\n") for ln in b_lines[run[0].lineno - 1:run[-1].end_lineno] if ln.strip()],
+            "kind": "with",
+        })
+        text = candidate
+    return text, records
+
+
+def _segment_replace(text: str, node, new: str) -> str:
+    """``text`` with the source of ``node`` (its exact line/column span) replaced by ``new``."""
+    lines = split_lines(text)
+    offsets = [0]
+    for ln in lines:
+        offsets.append(offsets[-1] + len(ln))
+
+    def at(lineno: int, col: int) -> int:  # ast columns count UTF-8 bytes
+        return offsets[lineno - 1] + len(lines[lineno - 1].encode("utf-8")[:col].decode("utf-8"))
+
+    return text[:at(node.lineno, node.col_offset)] + new + text[at(node.end_lineno, node.end_col_offset):]
+
+
+def _carry_call_wrappers(base: str, before: str, after: str, qual: str, own: list, step, superseded: set,
+                         fix_forms: Sequence):
+    """The other call-site form: the carried patch wrapped a callee, ``f(args)`` ->
+    ``wrap(f)(args)`` (e.g. ``torch.compiler.disable(self._prepare_qkv_for_gated_delta_rule)(...)``),
+    in a function the step rewrote. Judged on the AST like :func:`_carry_wrappers`: the ancestor
+    calls ``f`` with the same arguments exactly once; without the wrapper the rest of the carry
+    must merge cleanly; the wrapper (as written) then goes around ``f`` of the one call of
+    ``f`` in the new body (its arguments may differ), kept only when a preserved fix's
+    recogniser confirms it. Returns ``(after, records)`` or None, as :func:`_carry_wrappers`.
+    """
+    try:
+        b_fn, c_fn = (_function_node(ast.parse(t), qual) for t in (base, before))
+    except SyntaxError:
+        return None
+    if b_fn is None or c_fn is None:
+        return None
+    wraps = []
+    for call in ast.walk(c_fn):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Call) and len(call.func.args) == 1
+                and not call.func.keywords and isinstance(call.func.args[0], (ast.Name, ast.Attribute))):
+            continue
+        inner = call.func.args[0]
+        same = [c for c in ast.walk(b_fn) if isinstance(c, ast.Call) and ast.dump(c.func) == ast.dump(inner)
+                and [ast.dump(a) for a in c.args] == [ast.dump(a) for a in call.args]
+                and [ast.dump(k) for k in c.keywords] == [ast.dump(k) for k in call.keywords]]
+        if len(same) == 1:
+            wraps.append((call, inner, same[0]))
+    if len(wraps) != 1:
+        return None
+    call, inner, base_call = wraps[0]
+    wrapper = ast.get_source_segment(before, call.func)
+    c0_text = _segment_replace(before, call.func, ast.get_source_segment(before, inner))
+    spans = [_span(t, qual) for t in (base, c0_text, after)]
+    if None in spans:
+        return None
+    b_sym, c_sym, a_sym = ("".join(split_lines(t)[s:e]) for t, (s, e) in zip((base, c0_text, after), spans))
+    merged, n = merge3(a_sym, b_sym, c_sym)
+    if n:
+        for c in _conflicts(merged):
+            if not _kept_by_new(c) and any(h.oid not in superseded for h in _culprits(c, own)):
+                return None
+        merged, _ = merge3(a_sym, b_sym, c_sym, favour_ours=True)
+    lines = split_lines(after)
+    s, e = spans[2]
+    text = "".join(lines[:s] + split_lines(merged) + lines[e:])
+    try:
+        fn = _function_node(ast.parse(text), qual)
+    except SyntaxError:
+        return None
+    targets = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and ast.dump(c.func) == ast.dump(inner)] if fn else []
+    if len(targets) != 1:
+        return None
+    candidate = _segment_replace(text, targets[0].func, wrapper)
+    try:
+        ast.parse(candidate)
+    except SyntaxError:
+        return None
+    fix = next((fid for fid, recognise in fix_forms if _state(recognise, before) == "present"
+                and _state(recognise, text) != "present" and _state(recognise, candidate) == "present"), None)
+    if fix is None:
+        return None
+    c_lines = split_lines(before)
+    carried = [ln.rstrip("\r\n") for ln in c_lines[call.lineno - 1:call.end_lineno] if ln.strip()]
+    return candidate, [{
+        "hunks": sorted(h.oid for h in own if set(carried) & {ln.rstrip("\r\n") for ln in h.added}),
+        "step": step.id, "fix": fix, "symbol": qual, "wrapper": [wrapper], "around": [ast.unparse(inner)],
+        "restated": carried, "kind": "call",
+        "replaced": [ln.rstrip("\r\n") for ln in split_lines(base)[base_call.lineno - 1:base_call.end_lineno]
+                     if ln.strip()],
+    }]

@@ -4,7 +4,9 @@ The carries are made at run time from the base's own ``gated_delta_net.py`` (rea
 mirror, never committed): a comment line inside ``GatedDeltaNet.forward`` just before the
 input projection, a one-line rename of the projection attribute call, the tuple-index fix
 already present in an equivalent form, and Dynamo disabled by a context manager at the
-call site (which the new forward's call site conflicts with); class-level lines next to
+call site (kept around the new forward's call, fix 7a ``already-present``; a compile counter
+on the patched tree shows Dynamo never traces the helper in the recipe's form or the
+user's), a context manager that is no fix form there (exit 6); class-level lines next to
 code later steps change (merge), a def the transplant would replace and a config field the
 recipe would add again (both exit 6).
 """
@@ -112,21 +114,104 @@ def test_renamed_projection_call_survives_the_forward_rewrite(tmp_path, cache):
     assert {c["check"]: c["ok"] for c in b.manifest["verification"]}["carry_survival"]
 
 
-def test_call_site_context_manager_conflicting_with_the_new_forward_is_exit_6(tmp_path, cache):
-    def wrap(t: str) -> str:
-        old = ("        query, key, value, gate, beta, alpha = self._prepare_qkv_for_gated_delta_rule(\n"
-               "            qkv, gate, beta, alpha, batch, seq_len\n        )\n")
-        new = ('        with torch.compiler.set_stance("force_eager"):\n'
-               "            query, key, value, gate, beta, alpha = self._prepare_qkv_for_gated_delta_rule(\n"
-               "                qkv, gate, beta, alpha, batch, seq_len\n            )\n")
-        return t.replace(old, new, 1)
+CALL = ("        query, key, value, gate, beta, alpha = self._prepare_qkv_for_gated_delta_rule(\n"
+        "            qkv, gate, beta, alpha, batch, seq_len\n        )\n")
+GUARD = "        with torch._dynamo.config.patch(disable=True):\n"
 
+
+def _wrap_call(header: str):
+    """The base's call of the helper inside ``header`` (a ``with`` line of forward's indent)."""
+    return lambda t: t.replace(CALL, header + "".join("    " + ln for ln in CALL.splitlines(keepends=True)), 1)
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory, cache):
+    """The real downstream form of fix 7a: Dynamo off at forward's call site, @jit_fuser kept."""
+    return _build(cache, _carry(tmp_path_factory.mktemp("guard"), _wrap_call(GUARD)))
+
+
+def test_call_site_dynamo_guard_is_kept_in_the_users_form(guarded, tmp_path):
+    m = guarded.manifest
+    assert m["origins"]["fix-prepare-qkv-no-dynamo"]["status"] == "already-present"
+    origin = m["origins"][f"carry:{GDN}#1"]
+    assert origin["status"] == "applied" and [k["fix"] for k in origin["kept_forms"]] == ["fix-prepare-qkv-no-dynamo"]
+    forward = _forward_of(guarded, tmp_path)
+    assert (GUARD + "            query, key, value, gate, beta, alpha = self._prepare_qkv_for_gated_delta_rule(\n"
+            "                qkv, gate, beta, alpha, batch, seq_len, cp_size_headwise\n            )\n") in forward
+    patch = guarded.patch.decode()
+    assert "torch.compiler.disable" not in patch and "-    @jit_fuser" not in patch  # our decorator not added
+    assert {c["check"]: c["ok"] for c in m["verification"]}["carry_survival"]
+    from backport.manifest_md import render_markdown
+
+    assert "Kept in the carried form: `with torch._dynamo.config.patch(disable=True):`" in render_markdown(m)
+
+
+def test_call_site_disable_wrapper_is_kept_in_the_users_form(tmp_path, cache):
+    head = "        query, key, value, gate, beta, alpha = self._prepare_qkv_for_gated_delta_rule(\n"
+    wrapped = ("        query, key, value, gate, beta, alpha = torch.compiler.disable(\n"
+               "            self._prepare_qkv_for_gated_delta_rule\n        )(\n")
+    b = _build(cache, _carry(tmp_path, lambda t: t.replace(head, wrapped, 1)))
+    assert b.manifest["origins"]["fix-prepare-qkv-no-dynamo"]["status"] == "already-present"
+    assert wrapped + "            qkv, gate, beta, alpha, batch, seq_len, cp_size_headwise\n" in _forward_of(b, tmp_path)
+    assert "+    @torch.compiler.disable" not in b.patch.decode()
+
+
+def test_call_site_context_manager_that_is_no_fix_form_is_exit_6(tmp_path, cache):
     with pytest.raises(ApplyError) as exc:
-        _build(cache, _carry(tmp_path, wrap))
+        _build(cache, _carry(tmp_path, _wrap_call('        with torch.autograd.profiler.record_function("qkv"):\n')))
     msg = exc.value.message
     assert exc.value.exit_code == 6
     assert f"carried hunk 1 of {GDN}" in msg and "recipe step adapt-gdn-forward" in msg
     assert "first conflicting line" in msg and "superseded" in exc.value.hint
+
+
+def _patched_tree(b, tmp: Path) -> Path:
+    """The base tree with the output patch applied by GNU patch (as the image does)."""
+    import shutil
+
+    tree = tmp / "tree"
+    shutil.copytree(b.base_tree, tree, symlinks=True)
+    subprocess.run(["patch", "-p1", "--fuzz=0", "--batch", "--quiet"], cwd=tree, input=b.patch, check=True,
+                   capture_output=True)
+    return tree
+
+
+def _probe(tree: Path) -> dict:
+    import json
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("dynamo_probe.py")), str(tree)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+needs_torch = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("torch") is None or __import__("importlib").util.find_spec("fla") is None,
+    reason="torch and flash-linear-attention are not installed in this interpreter: the compile-counter proof "
+           "builds GatedDeltaNet from the patched tree (pip install -e '.[verify]' or use the project's .venv)")
+
+
+@needs_torch
+@pytest.mark.parametrize("form", ["recipe", "carried"])
+def test_dynamo_never_traces_the_helper_in_either_form(form, guarded, cache, tmp_path):
+    """Decision 7a on the real patched tree, counted: torch.compile(forward) with a
+    CompileCounter backend compiles forward's frames, and no graph node comes from
+    _prepare_qkv_for_gated_delta_rule, nor is the helper compiled as a frame of its own; our
+    decorator protects it when called alone too, the user's guard only at forward's call site
+    (alone, Dynamo goes in: the guard is what keeps it off)."""
+    b = guarded if form == "carried" else _build(cache, None)
+    got = _probe(_patched_tree(b, tmp_path))
+    assert got["forward_frames"] > 0 and got["forward_ops"] > 50, got  # Dynamo really traced forward
+    assert got["helper_in_graph"] is False and got["helper_frames"] == 0, got
+    assert got["max_abs_diff"] < 1e-5, got
+    if form == "recipe":
+        assert got["decorators"] == ["torch.compiler.disable"], got
+        assert got["direct_ops"] == 0 and not got["direct_helper_in_graph"] and got["direct_error"] is None, got
+    else:
+        assert got["decorators"] == ["jit_fuser"], got
+        assert got["direct_helper_in_graph"] or (got["direct_error"] or "").endswith("(in the helper)"), got
 
 
 @pytest.mark.parametrize("edit, added", [

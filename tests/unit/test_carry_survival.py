@@ -292,3 +292,213 @@ def test_tuple_index_fix_forms(old, new, state):
         with pytest.raises(ApplyError) as exc:
             REGISTRY["fix_local_cp_tuple_index"](text, "g.py")
         assert "cannot decide" in exc.value.message or "not found" in exc.value.message
+
+
+# --- a preserved fix in the user's form inside a function a step rewrites (issue 23, part 2) -------
+
+GDN_BASE = '''"""Layer (test data)."""
+
+import torch
+
+
+class GatedDeltaNet:
+    def forward(self, x):
+        x = self.norm(x)
+
+        # Prepare QKV tensors
+        query, key = self._prepare_qkv_for_gated_delta_rule(
+            x, 1
+        )
+        return self.core(query, key)
+
+    @jit_fuser
+    def _prepare_qkv_for_gated_delta_rule(self, x, batch):
+        return x, batch
+'''
+
+GDN_NEW_FORWARD = '''    def forward(self, x, mode="headwise"):
+        plan = self.plan(mode)
+        x = self.norm(x)
+
+        # Split, reshape, L2 norm (prepare QKV)
+        query, key = self._prepare_qkv_for_gated_delta_rule(
+            x, 1, plan.size
+        )
+        return self.route(plan, query, key)
+'''
+CALL_BASE = ("        query, key = self._prepare_qkv_for_gated_delta_rule(\n"
+             "            x, 1\n"
+             "        )\n")
+CALL_NEW = ("        query, key = self._prepare_qkv_for_gated_delta_rule(\n"
+            "            x, 1, plan.size\n"
+            "        )\n")
+
+
+class _ForwardStep:
+    id = "adapt-gdn-forward"
+    kind = "adaptation"
+    transform = "gdn_linear_cp_forward"
+
+
+def rewrite_gdn_forward(text: str, new_forward: str = GDN_NEW_FORWARD) -> str:
+    """A stand-in for gdn_linear_cp_forward: replaces GatedDeltaNet.forward wholesale."""
+    start = text.index("    def forward(")
+    end = text.index("\n    @jit_fuser")
+    return text[:start] + new_forward + text[end:]
+
+
+def _wrapped(call: str, header: str) -> str:
+    return header + "".join("    " + ln if ln.strip() else ln for ln in call.splitlines(keepends=True))
+
+
+def _gdn_carried(tmp_path, new_text: str):
+    patch = git_diff(tmp_path / "carry-src", {"m/gdn.py": GDN_BASE}, {"m/gdn.py": new_text})
+    (tmp_path / "c.patch").write_text(patch)
+    base = tmp_path / "base"
+    (base / "m").mkdir(parents=True)
+    (base / "m" / "gdn.py").write_text(GDN_BASE)
+    carry, ws = carry_workspace(tmp_path / "c.patch", base)
+    return carry.hunks, ws.files["m/gdn.py"].text
+
+
+DYNAMO_FORMS = [("fix-prepare-qkv-no-dynamo", dynamo_state)]
+CONFIG_PATCH = "        with torch._dynamo.config.patch(disable=True):\n"
+
+
+@pytest.mark.parametrize("header", [
+    CONFIG_PATCH,
+    "        with torch._dynamo.config.patch(\"disable\", True):  # downstream: keep Dynamo off\n",
+    '        with torch.compiler.set_stance("force_eager"):\n',
+])
+def test_call_site_dynamo_guard_is_carried_onto_the_rewritten_call(tmp_path, header):
+    hunks, carried = _gdn_carried(tmp_path, GDN_BASE.replace(CALL_BASE, _wrapped(CALL_BASE, header)))
+    kept = []
+    out = merge_carried_functions(GDN_BASE, carried, rewrite_gdn_forward(carried), hunks, _ForwardStep, "m/gdn.py",
+                                  set(), fix_forms=DYNAMO_FORMS, kept_forms=kept)
+    assert out == rewrite_gdn_forward(GDN_BASE).replace(CALL_NEW, _wrapped(CALL_NEW, header))
+    assert kept == [{"hunks": ["carry:m/gdn.py#1"], "step": "adapt-gdn-forward", "fix": "fix-prepare-qkv-no-dynamo",
+                     "symbol": "GatedDeltaNet.forward", "wrapper": [header.rstrip("\n")],
+                     "around": ["self._prepare_qkv_for_gated_delta_rule"],
+                     "restated": [ln.rstrip("\n") for ln in _wrapped(CALL_BASE, "").splitlines(keepends=True)],
+                     "replaced": CALL_BASE.splitlines(), "kind": "with"}]
+    # the fix step that runs next finds its effect already there and keeps @jit_fuser
+    fixed = REGISTRY["fix_prepare_qkv_no_dynamo"](out, "m/gdn.py")
+    assert fixed == Result(out, "already-present") and "    @jit_fuser\n    def _prepare" in out
+
+
+@pytest.mark.parametrize("comment", [
+    "        # downstream: norm in fp32\n",
+    "        with torch.no_grad():  # a new block, not around base statements: merged by lines\n"
+    "            self.calls += 1\n",
+])
+def test_the_rest_of_the_carried_function_merges_beside_the_kept_guard(tmp_path, comment):
+    user = GDN_BASE.replace(CALL_BASE, _wrapped(CALL_BASE, CONFIG_PATCH)).replace(
+        "        x = self.norm(x)\n", "        x = self.norm(x)\n" + comment)
+    hunks, carried = _gdn_carried(tmp_path, user)
+    out = merge_carried_functions(GDN_BASE, carried, rewrite_gdn_forward(carried), hunks, _ForwardStep, "m/gdn.py",
+                                  set(), fix_forms=DYNAMO_FORMS, kept_forms=[])
+    assert out == rewrite_gdn_forward(GDN_BASE).replace(CALL_NEW, _wrapped(CALL_NEW, CONFIG_PATCH)).replace(
+        "        x = self.norm(x)\n", "        x = self.norm(x)\n" + comment)
+
+
+@pytest.mark.parametrize("user, new_forward, why", [
+    (GDN_BASE.replace(CALL_BASE, _wrapped(CALL_BASE, "        with my_profiler():\n")), GDN_NEW_FORWARD,
+     "not a form of a preserved fix: never guessed"),
+    (GDN_BASE.replace(CALL_BASE, _wrapped(CALL_BASE, CONFIG_PATCH)),
+     GDN_NEW_FORWARD.replace(CALL_NEW, CALL_NEW + CALL_NEW), "the new body calls the helper twice"),
+    (GDN_BASE.replace(CALL_BASE, _wrapped(CALL_BASE, CONFIG_PATCH)),
+     GDN_NEW_FORWARD.replace(CALL_NEW, "        query, key = self._prepare_qkv_v2(x, 1)\n"),
+     "the new body has no such call"),
+    (GDN_BASE.replace(CALL_BASE, _wrapped(CALL_BASE, CONFIG_PATCH)).replace(
+        "return self.core(query, key)", "return self.core_v2(query, key)"), GDN_NEW_FORWARD,
+     "another carried change of the function conflicts"),
+])
+def test_call_site_guard_that_cannot_be_carried_is_still_a_conflict(tmp_path, user, new_forward, why):
+    hunks, carried = _gdn_carried(tmp_path, user)
+    with pytest.raises(ApplyError) as exc:
+        merge_carried_functions(GDN_BASE, carried, rewrite_gdn_forward(carried, new_forward), hunks, _ForwardStep,
+                                "m/gdn.py", set(), fix_forms=DYNAMO_FORMS, kept_forms=[])
+    assert exc.value.exit_code == 6, why
+    assert "carry:m/gdn.py#1" in exc.value.message and "recipe step adapt-gdn-forward" in exc.value.message
+
+
+def test_without_the_fix_in_the_recipe_the_guard_is_a_conflict(tmp_path):
+    hunks, carried = _gdn_carried(tmp_path, GDN_BASE.replace(CALL_BASE, _wrapped(CALL_BASE, CONFIG_PATCH)))
+    with pytest.raises(ApplyError) as exc:
+        merge_carried_functions(GDN_BASE, carried, rewrite_gdn_forward(carried), hunks, _ForwardStep, "m/gdn.py",
+                                set())
+    assert exc.value.exit_code == 6 and "first conflicting line" in exc.value.message
+
+
+def test_any_preserved_fix_recogniser_lets_its_form_be_carried(tmp_path):
+    """Not tied to fix 7a: a fix whose equivalent form is a `with` around a call of a rewritten
+    function is carried the same way, judged by that fix's own recogniser."""
+    def no_grad_update(text):
+        import ast
+
+        fn = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef) and n.name == "forward")
+        inside = [c for w in ast.walk(fn) if isinstance(w, ast.With) and "no_grad" in ast.unparse(w.items[0])
+                  for c in ast.walk(w) if isinstance(c, ast.Call) and ast.unparse(c.func) == "self.core"]
+        return ("present", "with no_grad") if inside else ("absent", "")
+
+    ret, ret_new = "        return self.core(query, key)\n", "        return self.route(plan, query, key)\n"
+    base = GDN_BASE.replace(ret, "        out = self.core(query, key)\n        return out\n")
+    new_forward = GDN_NEW_FORWARD.replace(ret_new, "        out = self.core(query, key, plan)\n        return out\n")
+    user = base.replace("        out = self.core(query, key)\n",
+                        "        with torch.no_grad():\n            out = self.core(query, key)\n")
+    patch = git_diff(tmp_path / "carry-src", {"m/gdn.py": base}, {"m/gdn.py": user})
+    (tmp_path / "c.patch").write_text(patch)
+    (tmp_path / "base" / "m").mkdir(parents=True)
+    (tmp_path / "base" / "m" / "gdn.py").write_text(base)
+    carry, ws = carry_workspace(tmp_path / "c.patch", tmp_path / "base")
+    carried = ws.files["m/gdn.py"].text
+    kept = []
+    out = merge_carried_functions(base, carried, rewrite_gdn_forward(carried, new_forward), carry.hunks, _ForwardStep,
+                                  "m/gdn.py", set(), fix_forms=[("fix-no-grad", no_grad_update)], kept_forms=kept)
+    assert "        with torch.no_grad():\n            out = self.core(query, key, plan)\n" in out
+    assert [k["fix"] for k in kept] == ["fix-no-grad"]
+
+
+@pytest.mark.parametrize("user, named", [
+    (GDN_BASE.replace(CALL_BASE, _wrapped(CALL_BASE, CONFIG_PATCH)), "torch._dynamo.config.patch(disable=True)"),
+    (GDN_BASE.replace("= self._prepare_qkv_for_gated_delta_rule(\n",
+                      "= torch.compiler.disable(self._prepare_qkv_for_gated_delta_rule)(\n"),
+     "torch.compiler.disable(self._prepare_qkv_for_gated_delta_rule)"),
+])
+def test_carry_survival_checks_the_kept_guard_not_the_restated_call(tmp_path, user, named):
+    from types import SimpleNamespace
+
+    from backport.verify import carry_survival
+
+    patch = git_diff(tmp_path / "carry-src", {"m/gdn.py": GDN_BASE}, {"m/gdn.py": user})
+    (tmp_path / "c.patch").write_text(patch)
+    (tmp_path / "base" / "m").mkdir(parents=True)
+    (tmp_path / "base" / "m" / "gdn.py").write_text(GDN_BASE)
+    carry, ws = carry_workspace(tmp_path / "c.patch", tmp_path / "base")
+    carried = ws.files["m/gdn.py"].text
+    kept = []
+    merged = merge_carried_functions(GDN_BASE, carried, rewrite_gdn_forward(carried), carry.hunks, _ForwardStep,
+                                     "m/gdn.py", set(), fix_forms=DYNAMO_FORMS, kept_forms=kept)
+    origins = {"carry:m/gdn.py#1": {"kind": "carried", "kept_forms": [
+        {k: v for k, v in kept[0].items() if k != "hunks"}]}}
+    run = SimpleNamespace(carry_model=carry, ws=ws, origins=origins, carried_text={"m/gdn.py": carried})
+    ws.files["m/gdn.py"].replace_text(merged, "adapt-gdn-forward")
+    assert carry_survival(run)["ok"]  # the call's carried arguments are the step's now
+    ws.files["m/gdn.py"].replace_text(rewrite_gdn_forward(GDN_BASE), "a-later-step")
+    with pytest.raises(VerificationError) as exc:
+        carry_survival(run)
+    assert "carry:m/gdn.py#1" in exc.value.message and named in exc.value.message
+
+
+def test_call_site_disable_wrapper_is_carried_onto_the_rewritten_call(tmp_path):
+    """The other call-site form, torch.compiler.disable(self._prepare...)(...), by the same rule."""
+    wrap = "torch.compiler.disable(self._prepare_qkv_for_gated_delta_rule)("
+    user = GDN_BASE.replace("= self._prepare_qkv_for_gated_delta_rule(\n", f"= {wrap}\n")
+    hunks, carried = _gdn_carried(tmp_path, user)
+    kept = []
+    out = merge_carried_functions(GDN_BASE, carried, rewrite_gdn_forward(carried), hunks, _ForwardStep, "m/gdn.py",
+                                  set(), fix_forms=DYNAMO_FORMS, kept_forms=kept)
+    assert out == rewrite_gdn_forward(GDN_BASE).replace("= self._prepare_qkv_for_gated_delta_rule(\n", f"= {wrap}\n")
+    assert [(k["kind"], k["fix"], k["wrapper"]) for k in kept] == [
+        ("call", "fix-prepare-qkv-no-dynamo", ["torch.compiler.disable(self._prepare_qkv_for_gated_delta_rule)"])]
+    assert REGISTRY["fix_prepare_qkv_no_dynamo"](out, "m/gdn.py").status == "already-present"

@@ -26,6 +26,18 @@ def test_registry_lists_the_gdn_transforms():
         "gdn_prepare_qkv_headwise_cp_size", "gdn_prepare_qkv_fused_copies", "gdn_local_cp_none_group", *FIXES])
 
 
+def test_every_preserved_fix_of_the_recipe_has_a_recogniser_of_its_forms():
+    """The three-way merge carries a fix's equivalent form into a rewritten function only
+    through the fix's recogniser (FIX_FORMS): each fix step of the shipped recipe has one."""
+    from backport.recipe import load_recipe
+    from backport.transforms.fixes import FIX_FORMS
+
+    recipe, _ = load_recipe(DATA.parents[2] / "manifests" / "gdn-chunkwise-cp.yaml")
+    fixes = sorted(s.transform for s in recipe.steps if s.kind == "fix")
+    assert fixes == sorted(FIXES) and sorted(FIX_FORMS) == sorted(FIXES)
+    assert all(FIX_FORMS[f](GDN)[0] == "absent" for f in FIXES)
+
+
 def test_registering_a_name_twice_is_refused():
     with pytest.raises(RuntimeError, match="registered twice"):
         register("gdn_imports")(lambda text, path="": None)
