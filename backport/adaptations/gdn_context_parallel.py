@@ -552,8 +552,7 @@ def packed_cu_seqlens(
     """
     boundaries = getattr(packed_seq_params, "cu_seqlens_cpu_cache", None)
     if not (
-        isinstance(boundaries, PackedCuSeqlens)
-        and boundaries.matches(packed_seq_params, cp_group)
+        isinstance(boundaries, PackedCuSeqlens) and boundaries.matches(packed_seq_params, cp_group)
     ):
         boundaries = PackedCuSeqlens(packed_seq_params, cp_group)
         packed_seq_params.cu_seqlens_cpu_cache = boundaries
