@@ -111,7 +111,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=10, help="timed micro-batches (CP=1)")
     p.add_argument("--no-profile", action="store_true",
                    help="skip the profiler cross-check of the sync counts")
-    p.add_argument("--timeout-s", type=int, default=1800, help="per worker launch")
+    p.add_argument("--timeout-s", type=int, default=1800,
+                   help="per worker launch; a launch killed at the limit keeps the runs it finished")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON job (internal)
     args = p.parse_args(argv)
@@ -387,6 +388,14 @@ def _worker(args, job):
     pg = lb.init_mpu(job["cp"], args)
     ckpt = _checkpoint(torch, cpu)
     runs, errors = [], []
+
+    def dump():  # after every run, so a launch killed at its time limit keeps what it measured
+        if rank == 0:
+            with open(job["part"] + ".tmp", "w") as f:
+                json.dump({"job": job, "meta": meta, "runs": runs, "errors": errors, "rank": rank}, f,
+                          indent=1, sort_keys=True)
+            os.replace(job["part"] + ".tmp", job["part"])
+
     T, P = job["tokens"], job["cp"]
     local = T // P
     for mode in job["modes"]:
@@ -420,7 +429,9 @@ def _worker(args, job):
                     finally:
                         if not cpu:
                             torch.cuda.empty_cache()
+                        dump()
         del stack, gdns
+    dump()
     if stack_ctx is not None:
         stack_ctx.__exit__(None, None, None)
     dist.barrier()
@@ -530,10 +541,7 @@ def main(argv=None):
     if args.worker:
         job = json.loads(args.worker)
         sys.path.insert(0, args.tree if job["tree"] == "patched" else args.base_tree)
-        res = _worker(args, job)
-        if res["rank"] == 0:
-            with open(job["part"], "w") as f:
-                json.dump(res, f, indent=1, sort_keys=True)
+        _worker(args, job)
         return 0
     for what, tree in (("--tree", args.tree), ("--base-tree", args.base_tree)):
         if not os.path.isfile(os.path.join(tree, "megatron", "core", "ssm", "gated_delta_net.py")):
@@ -557,9 +565,11 @@ def main(argv=None):
         if os.path.exists(part):
             os.remove(part)
         code = _launch(args, job, part, argv)
-        if code or not os.path.exists(part):
-            result["errors"].append({"job": job["name"], "error": f"worker launch exited {code}"})
+        if code:
+            result["errors"].append({"job": job["name"], "error": f"worker launch exited {code} (124: "
+                                     f"--timeout-s {args.timeout_s}); its runs so far are kept"})
             rc = 1
+        if not os.path.exists(part):
             continue
         with open(part) as f:
             res = json.load(f)
