@@ -69,10 +69,12 @@ def forward(
         assert (
             not self.config.deterministic_mode
         ), "Packed sequence does not support deterministic mode."
-        # cu_seqlens in PackedSeqParams are global (before the CP split). Checked on a host copy
-        # and without empty segments, which FLA 0.4.2 would assign to the wrong sequence.
+        # cu_seqlens in PackedSeqParams are global (before the CP split). Checked on their host
+        # copy, made once per micro-batch and kept on packed_seq_params (later layers and
+        # recompute reuse it), and without empty segments, which FLA 0.4.2 would assign to the
+        # wrong sequence.
         cu_seqlens_q, cu_seqlens_q_cpu = gdn_context_parallel.packed_cu_seqlens(
-            packed_seq_params, plan.global_seq_len
+            packed_seq_params, plan.global_seq_len, plan.group
         )
     gdn_context_parallel.check_sequence_lengths(plan, cu_seqlens_q_cpu, self.conv_kernel_dim)
     gdn_context_parallel.check_kernel_extent(

@@ -20,15 +20,19 @@ Packed (THD) ``cu_seqlens`` are validated and normalised here before conv and sc
 batching makes them) are dropped, because FLA 0.4.2 numbers its chunks by counting segment
 starts and assigns every chunk after an empty segment to the wrong sequence (the conv leaves
 outputs unwritten, the scan restarts its state at the wrong token). This is a downstream fix,
-not upstream Megatron-LM behaviour.
+not upstream Megatron-LM behaviour. The host copy of those boundaries is made once per
+micro-batch and kept on its ``PackedSeqParams`` (:class:`PackedCuSeqlens`,
+:func:`attach_cu_seqlens_cpu`), so a stack of GDN layers makes one device->host copy per
+micro-batch, not one per layer.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import resolve_cp_group
 from megatron.core.tensor_parallel import all_to_all
 
@@ -258,11 +262,9 @@ CU_SEQLENS_DTYPES = (torch.int32, torch.int64)
 KERNEL_MAX_ELEMENTS = 2**31
 
 
-def _host_cu_seqlens(
-    name: str, cu_seqlens: torch.Tensor, total_tokens: Optional[int] = None
-) -> torch.Tensor:
-    # The checked host copy of global cumulative lengths, in their dtype; ``name`` is how the
-    # messages call them. ``total_tokens``: the length of the packed buffer, when known.
+def _check_cu_seqlens_tensor(name: str, cu_seqlens) -> None:
+    # What can be checked without reading the values (no device sync); ``name`` is how the
+    # messages call the tensor.
     if not isinstance(cu_seqlens, torch.Tensor):
         raise LinearCPError(
             f"PackedSeqParams.{name} must be a tensor, got {type(cu_seqlens).__name__}. "
@@ -283,9 +285,36 @@ def _host_cu_seqlens(
             f"PackedSeqParams.{name} is on the meta device (no values). Build it on the host "
             "or on the device of the micro-batch."
         )
-    # One device->host copy replaces the per-entry .item() calls; the checks below and the
-    # normalisation run on the host copy.
-    host = cu_seqlens.detach().to("cpu")
+
+
+def _copy_cu_seqlens_to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Copy cumulative lengths to the host in one device->host copy, whatever their number.
+
+    This is the only place where GDN reads packed boundaries back from the device (one host
+    sync on an accelerator). Several tensors (e.g. distinct ``cu_seqlens_q`` and
+    ``cu_seqlens_kv``) are concatenated as int64 on their device first, so they still cost
+    one copy. Host tensors are cloned: the result never aliases the caller's tensor.
+
+    Args:
+        tensors: 1-D int32/int64 tensors, all on one device.
+
+    Returns:
+        Host copies, one per tensor, each in the dtype of its tensor.
+    """
+    if len(tensors) == 1:
+        tensor = tensors[0].detach()
+        return [tensor.clone() if tensor.device.type == "cpu" else tensor.to("cpu")]
+    flat = torch.cat([t.detach().to(torch.long) for t in tensors])
+    host = flat if flat.device.type == "cpu" else flat.to("cpu")
+    parts = torch.split(host, [t.numel() for t in tensors])
+    return [part.to(t.dtype) for part, t in zip(parts, tensors)]
+
+
+def _check_host_cu_seqlens(
+    name: str, host: torch.Tensor, total_tokens: Optional[int] = None
+) -> None:
+    # The value checks of global cumulative lengths, on their host copy (no device sync).
+    # ``total_tokens``: the length of the packed buffer, when known.
     lengths = torch.diff(host.to(torch.long))
     first, last = int(host[0]), int(host[-1])
     if first != 0 or bool((lengths < 0).any()):
@@ -300,10 +329,191 @@ def _host_cu_seqlens(
             "(local tokens x SP x CP). cu_seqlens must be global (before the CP split) and "
             "cover the whole packed buffer, padding included."
         )
+
+
+def _host_cu_seqlens(
+    name: str, cu_seqlens: torch.Tensor, total_tokens: Optional[int] = None
+) -> torch.Tensor:
+    # The checked host copy of global cumulative lengths, in their dtype; a host tensor is
+    # used as it is (no copy).
+    _check_cu_seqlens_tensor(name, cu_seqlens)
+    if cu_seqlens.device.type == "cpu":
+        host = cu_seqlens.detach()
+    else:
+        (host,) = _copy_cu_seqlens_to_host([cu_seqlens])
+    _check_host_cu_seqlens(name, host, total_tokens)
     return host
 
 
-def packed_cu_seqlens(packed_seq_params, total_tokens: int):
+def _thd_cu_seqlens_sources(packed_seq_params):
+    # ((name, tensor) of q, (name, tensor) of kv): the padded lengths when given, else the
+    # actual ones, as the base GatedDeltaNet._resolve_cu_seqlens reads them.
+    sources = []
+    for side in ("q", "kv"):
+        padded = getattr(packed_seq_params, f"cu_seqlens_{side}_padded", None)
+        name = f"cu_seqlens_{side}_padded" if padded is not None else f"cu_seqlens_{side}"
+        tensor = padded if padded is not None else getattr(packed_seq_params, name, None)
+        if tensor is None:
+            raise LinearCPError(
+                f"THD input needs PackedSeqParams.cu_seqlens_{side} (or its _padded form). "
+                "Set both, or pass SBHD input without packed_seq_params."
+            )
+        sources.append((name, tensor))
+    return tuple(sources)
+
+
+def _tensor_stamp(tensor: torch.Tensor) -> tuple:
+    # What identifies the values of ``tensor`` without reading them (no device sync): the
+    # object, its in-place version counter, and its view (device, data pointer, shape,
+    # strides, storage offset). Inference tensors keep no version counter (None: never
+    # reused).
+    try:
+        version = tensor._version
+    except RuntimeError:
+        version = None
+    return (
+        tensor,
+        version,
+        tensor.device,
+        tensor.data_ptr(),
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.storage_offset(),
+    )
+
+
+def _same_stamp(made: tuple, now: tuple) -> bool:
+    # The tensor is compared by identity: == on tensors would compare (and sync on) values.
+    return made[0] is now[0] and made[1] is not None and made[1:] == now[1:]
+
+
+def _cp_key(cp_group: Optional[dist.ProcessGroup]) -> tuple:
+    if cp_group is None:
+        return (None, 1, 0)
+    return (cp_group, cp_group.size(), cp_group.rank())
+
+
+class PackedCuSeqlens:
+    """The final packed boundaries of one micro-batch with their host copy, made once.
+
+    It is kept on the micro-batch's ``PackedSeqParams.cu_seqlens_cpu_cache``, put there by
+    the data pipeline (:func:`attach_cu_seqlens_cpu`) or else by the first GDN layer that
+    runs the micro-batch. Every later GDN layer, activation recompute, FLA's
+    ``build_cp_context`` and the THD layout conversions then use this one device->host copy
+    of ``cu_seqlens`` per micro-batch, instead of one copy (one host sync) per layer. It is
+    never kept on the module or on the shared config: the layers stay stateless.
+
+    It is reused only while it still describes the micro-batch: the same ``cu_seqlens``
+    tensor objects in the same ``PackedSeqParams`` fields, unchanged in place
+    (``Tensor._version``) and in view (device, data pointer, shape, strides, storage offset),
+    for the same CP group, size and rank. Anything else makes a new one. That check reads no
+    tensor values, so it never syncs. In-place writes that bypass torch (e.g. through a
+    numpy view of a host tensor) are not seen: rebuild the tensor instead.
+
+    Host syncs to make one: one device->host copy, also for distinct ``cu_seqlens_q`` and
+    ``cu_seqlens_kv`` tensors (see :func:`_copy_cu_seqlens_to_host`); when segments are
+    dropped, one host->device copy without a sync (:func:`host_to_device`).
+
+    Args:
+        packed_seq_params: ``PackedSeqParams`` of a packed (THD) micro-batch with global
+            cumulative lengths, int32 or int64 ``[num_seqs + 1]``.
+        cp_group: the CP group the GDN layers run the micro-batch on (None: no CP).
+
+    Attributes:
+        names: the ``PackedSeqParams`` fields read for q and kv (the padded ones when given).
+        host_q, host_kv: host copies of those tensors in their dtypes (the same tensor when
+            one tensor serves q and kv). Their values are checked by
+            :func:`packed_cu_seqlens`, at every use.
+        cu_seqlens: the boundaries without zero-length segments, on the device and in the
+            dtype of the q tensor (that very tensor when no segment was dropped).
+        cu_seqlens_cpu: their host copy.
+
+    Raises:
+        LinearCPError: boundaries missing, not int32/int64, not 1-D of >= 2 entries, on the
+            meta device, or q and kv on different devices.
+    """
+
+    def __init__(self, packed_seq_params, cp_group: Optional[dist.ProcessGroup] = None):
+        (name_q, cu_q), (name_kv, cu_kv) = _thd_cu_seqlens_sources(packed_seq_params)
+        _check_cu_seqlens_tensor(name_q, cu_q)
+        if cu_kv is cu_q:
+            (host_q,) = _copy_cu_seqlens_to_host([cu_q])
+            host_kv = host_q
+        else:
+            _check_cu_seqlens_tensor(name_kv, cu_kv)
+            if cu_kv.device != cu_q.device:
+                raise LinearCPError(
+                    f"PackedSeqParams.{name_q} is on {cu_q.device} but {name_kv} on "
+                    f"{cu_kv.device}. Put both on one device (or pass one tensor for both)."
+                )
+            host_q, host_kv = _copy_cu_seqlens_to_host([cu_q, cu_kv])
+        self.names = (name_q, name_kv)
+        self.host_q, self.host_kv = host_q, host_kv
+        self._stamps = (_tensor_stamp(cu_q), _tensor_stamp(cu_kv))
+        self._cp = _cp_key(cp_group)
+        keep = torch.ones(host_q.numel(), dtype=torch.bool)
+        keep[1:] = host_q[1:] != host_q[:-1]
+        if bool(keep.all()):
+            self.cu_seqlens, self.cu_seqlens_cpu = cu_q, host_q
+        else:
+            self.cu_seqlens_cpu = host_q[keep]
+            self.cu_seqlens = host_to_device(self.cu_seqlens_cpu, cu_q.device)
+
+    def matches(self, packed_seq_params, cp_group: Optional[dist.ProcessGroup] = None) -> bool:
+        """True when this still describes ``packed_seq_params`` run on ``cp_group``.
+
+        Compares tensor identity, version counters and views, and the CP group, size and
+        rank; reads no tensor values (no device sync). Missing boundaries raise
+        :class:`LinearCPError` as in :class:`PackedCuSeqlens`.
+        """
+        sources = _thd_cu_seqlens_sources(packed_seq_params)
+        if tuple(name for name, _ in sources) != self.names:
+            return False
+        for (_, tensor), made in zip(sources, self._stamps):
+            if not isinstance(tensor, torch.Tensor) or not _same_stamp(made, _tensor_stamp(tensor)):
+                return False
+        now = _cp_key(cp_group)
+        return now[0] is self._cp[0] and now[1:] == self._cp[1:]
+
+
+def attach_cu_seqlens_cpu(
+    packed_seq_params, cp_group: Optional[dist.ProcessGroup] = None
+) -> PackedCuSeqlens:
+    """Give a packed (THD) micro-batch the host copy of its final boundaries, once.
+
+    Call it in the data pipeline once per micro-batch, on the very ``PackedSeqParams`` the
+    model gets, after the last change to its boundaries (repacking, padding, an unsplit VLM
+    path). The GDN layers then make no device->host copy of their own. Without it the first
+    GDN layer of the micro-batch makes the copy and the later layers and activation
+    recompute reuse it. Changing the boundaries afterwards (a new tensor, an in-place write,
+    another view) or running the micro-batch on another CP group is safe: the layers see it
+    and make a new copy (see :class:`PackedCuSeqlens`).
+
+    Args:
+        packed_seq_params: ``PackedSeqParams`` with ``qkv_format == "thd"`` and global
+            cumulative lengths, int32 or int64 ``[num_seqs + 1]``.
+        cp_group: the CP group the GDN layers run the micro-batch on; default
+            ``packed_seq_params.cp_group`` (dynamic CP), else the context-parallel group of
+            ``parallel_state`` (None when it is not initialised). A group other than the
+            layers' costs one more copy in the first layer, never a wrong result.
+
+    Returns:
+        The :class:`PackedCuSeqlens` now at ``packed_seq_params.cu_seqlens_cpu_cache``.
+
+    Raises:
+        LinearCPError: as :class:`PackedCuSeqlens`. Values are checked by the layers.
+    """
+    if cp_group is None:
+        cp_group = getattr(packed_seq_params, "cp_group", None)
+    if cp_group is None:
+        cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+    packed_seq_params.cu_seqlens_cpu_cache = PackedCuSeqlens(packed_seq_params, cp_group)
+    return packed_seq_params.cu_seqlens_cpu_cache
+
+
+def packed_cu_seqlens(
+    packed_seq_params, total_tokens: int, cp_group: Optional[dist.ProcessGroup] = None
+):
     """Validate and normalise the cu_seqlens of a packed (THD) micro-batch.
 
     Like the base ``GatedDeltaNet._resolve_cu_seqlens``, the padded lengths are used when
@@ -318,14 +528,19 @@ def packed_cu_seqlens(packed_seq_params, total_tokens: int):
     given, only the padded ones are read (as at the base), so dropping an empty padded
     segment cannot break their correspondence.
 
-    Host syncs: one device->host copy per distinct cu_seqlens tensor (q and kv); a
-    host->device copy only when a segment was dropped. The host copy is returned so that
-    FLA (``cu_seqlens_cpu``) and :func:`check_sequence_lengths` need no sync of their own.
+    Host syncs: at most one device->host copy per micro-batch. The boundaries and their
+    host copy come from the micro-batch's :class:`PackedCuSeqlens`
+    (``packed_seq_params.cu_seqlens_cpu_cache``), made here when the data pipeline did not
+    attach one (:func:`attach_cu_seqlens_cpu`) or when it no longer matches. The checks run
+    on the host copy at every call. The host copy is returned so that FLA
+    (``cu_seqlens_cpu``), the layout conversions and :func:`check_sequence_lengths` need no
+    sync of their own.
 
     Args:
         packed_seq_params: ``PackedSeqParams`` with ``qkv_format == "thd"``; global
             cumulative lengths, int32 or int64 ``[num_seqs + 1]``.
         total_tokens: tokens of the whole packed buffer (local tokens x SP x CP).
+        cp_group: the CP group of this forward (None: no CP).
 
     Returns:
         ``(cu_seqlens, cu_seqlens_cpu)``: the normalised lengths on the device and dtype of
@@ -335,32 +550,22 @@ def packed_cu_seqlens(packed_seq_params, total_tokens: int):
         LinearCPError: missing, non-integer, non-1-D, on the meta device, not starting at 0,
             decreasing, not ending at ``total_tokens``, or q and kv lengths that differ.
     """
-    chosen = {}
-    for side in ("q", "kv"):
-        padded = getattr(packed_seq_params, f"cu_seqlens_{side}_padded", None)
-        name = f"cu_seqlens_{side}_padded" if padded is not None else f"cu_seqlens_{side}"
-        tensor = padded if padded is not None else getattr(packed_seq_params, name, None)
-        if tensor is None:
-            raise LinearCPError(
-                f"THD input needs PackedSeqParams.cu_seqlens_{side} (or its _padded form). "
-                "Set both, or pass SBHD input without packed_seq_params."
-            )
-        chosen[side] = (name, tensor)
-    (name_q, cu_q), (name_kv, cu_kv) = chosen["q"], chosen["kv"]
-    host_q = _host_cu_seqlens(name_q, cu_q, total_tokens)
-    if cu_kv is not cu_q:
-        host_kv = _host_cu_seqlens(name_kv, cu_kv, total_tokens)
-        if not torch.equal(host_q.to(torch.long), host_kv.to(torch.long)):
+    boundaries = getattr(packed_seq_params, "cu_seqlens_cpu_cache", None)
+    if not (
+        isinstance(boundaries, PackedCuSeqlens) and boundaries.matches(packed_seq_params, cp_group)
+    ):
+        boundaries = PackedCuSeqlens(packed_seq_params, cp_group)
+        packed_seq_params.cu_seqlens_cpu_cache = boundaries
+    name_q, name_kv = boundaries.names
+    _check_host_cu_seqlens(name_q, boundaries.host_q, total_tokens)
+    if boundaries.host_kv is not boundaries.host_q:
+        _check_host_cu_seqlens(name_kv, boundaries.host_kv, total_tokens)
+        if not torch.equal(boundaries.host_q.to(torch.long), boundaries.host_kv.to(torch.long)):
             raise LinearCPError(
                 f"GDN needs {name_q} equal to {name_kv} (self-attention-like packing), got "
-                f"{host_q.tolist()[:16]} and {host_kv.tolist()[:16]}."
+                f"{boundaries.host_q.tolist()[:16]} and {boundaries.host_kv.tolist()[:16]}."
             )
-    keep = torch.ones(host_q.numel(), dtype=torch.bool)
-    keep[1:] = host_q[1:] != host_q[:-1]
-    if bool(keep.all()):
-        return cu_q, host_q
-    host = host_q[keep]
-    return host.to(device=cu_q.device), host
+    return boundaries.cu_seqlens, boundaries.cu_seqlens_cpu
 
 
 def check_kernel_extent(

@@ -544,3 +544,73 @@ def gdn_prepare_qkv_fused_copies(text: str, path: str = "gated_delta_net.py") ->
         body[at + 1:at + 1] = [h.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()]) for h in missing]
         module = module.with_changes(body=body)
     return Result(module.code)
+
+
+CU_SEQLENS_CPU_CACHE_FIELD = '''# Host copy of the packed boundaries for GDN layers, made once per micro-batch
+# (megatron.core.ssm.gdn_context_parallel.attach_cu_seqlens_cpu); not passed to TE attention.
+cu_seqlens_cpu_cache: object = None
+'''
+
+
+@register("packed_seq_params_cu_seqlens_cpu_cache")
+def packed_seq_params_cu_seqlens_cpu_cache(text: str, path: str = "packed_seq_params.py") -> Result:
+    """Our adaptation (beyond upstream): add ``PackedSeqParams.cu_seqlens_cpu_cache`` (default
+    None) after ``seq_idx``, the per-micro-batch host copy of the boundaries that GDN layers
+    share (``gdn_context_parallel.PackedCuSeqlens``).
+
+    Raises:
+        ApplyError: ``class PackedSeqParams`` or its ``seq_idx`` field is missing.
+        BindingExists: the class already binds ``cu_seqlens_cpu_cache`` in another form.
+    """
+    module = parse(text, path)
+    cls = find_class(module, "PackedSeqParams", path)
+    body = list(cls.body.body)
+    idx = next((i for i, s in enumerate(body) if _is_ann_assign(s, "seq_idx")), None)
+    if idx is None:
+        raise ApplyError(f"{path}: anchor PackedSeqParams.seq_idx not found.")
+    field = statements(CU_SEQLENS_CPU_CACHE_FIELD)
+    existing = _existing_binding(module, cls, "cu_seqlens_cpu_cache")
+    if existing is not None:
+        if _normalised(code_of(existing, module)) == _normalised(code_of(field[0], module)):
+            return Result(text, "already-present")
+        raise _binding_exists(module, existing, "PackedSeqParams", "cu_seqlens_cpu_cache", path)
+    body[idx + 1:idx + 1] = field
+    return Result(replace_node(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)), path).code)
+
+
+TE_SKIP_CU_SEQLENS_CPU_CACHE = '''
+# cu_seqlens_cpu_cache is only for GDN layers and should not be forwarded to TE attention.
+self.kept_packed_seq_params.discard("cu_seqlens_cpu_cache")
+'''
+
+
+def _is_discard_of(stmt, name: str) -> bool:
+    return m.matches(stmt, m.SimpleStatementLine(body=[m.Expr(value=m.Call(
+        func=m.Attribute(value=m.Attribute(value=m.Name("self"), attr=m.Name("kept_packed_seq_params")),
+                         attr=m.Name("discard")),
+        args=[m.Arg(value=m.SimpleString(f'"{name}"') | m.SimpleString(f"'{name}'"))]))]))
+
+
+@register("te_attention_skip_cu_seqlens_cpu_cache")
+def te_attention_skip_cu_seqlens_cpu_cache(text: str, path: str = "transformer_engine.py") -> Result:
+    """Our adaptation (beyond upstream): ``TEDotProductAttention.__init__`` keeps the new
+    ``PackedSeqParams.cu_seqlens_cpu_cache`` field out of the keyword arguments it hands TE's
+    attention (it passes every other field by name), right after it discards ``seq_idx``.
+
+    Raises:
+        ApplyError: ``class TEDotProductAttention``, its ``__init__`` or the
+            ``self.kept_packed_seq_params.discard("seq_idx")`` statement is missing.
+    """
+    module = parse(text, path)
+    cls = find_class(module, "TEDotProductAttention", path)
+    init = find_function(cls.body.body, "__init__", f"{path}: TEDotProductAttention")
+    body = list(init.body.body)
+    if any(_is_discard_of(s, "cu_seqlens_cpu_cache") for s in body):
+        return Result(text, "already-present")
+    idx = next((i for i, s in enumerate(body) if _is_discard_of(s, "seq_idx")), None)
+    if idx is None:
+        raise ApplyError(f"{path}: anchor `self.kept_packed_seq_params.discard(\"seq_idx\")` in "
+                         "TEDotProductAttention.__init__ not found.")
+    body[idx + 1:idx + 1] = statements(TE_SKIP_CU_SEQLENS_CPU_CACHE)
+    new_init = init.with_changes(body=init.body.with_changes(body=body))
+    return Result(replace_node(module, init, new_init, path).code)

@@ -23,7 +23,8 @@ FIXES = ["fix_prepare_qkv_no_dynamo", "fix_local_cp_tuple_index"]
 def test_registry_lists_the_gdn_transforms():
     assert sorted(REGISTRY) == sorted([
         "gdn_config_linear_cp_mode", "gdn_imports", "gdn_init_check_linear_cp", "gdn_linear_cp_forward",
-        "gdn_prepare_qkv_headwise_cp_size", "gdn_prepare_qkv_fused_copies", "gdn_local_cp_none_group", *FIXES])
+        "gdn_prepare_qkv_headwise_cp_size", "gdn_prepare_qkv_fused_copies", "gdn_local_cp_none_group",
+        "packed_seq_params_cu_seqlens_cpu_cache", "te_attention_skip_cu_seqlens_cpu_cache", *FIXES])
 
 
 def test_every_preserved_fix_of_the_recipe_has_a_recogniser_of_its_forms():
@@ -307,8 +308,11 @@ def test_fused_copies_replace_a_body_whose_template_statement_the_carry_changed(
 
 
 def test_transforms_are_deterministic():
+    special = {"gdn_prepare_qkv_fused_copies": _with_cp_size(),
+               "packed_seq_params_cu_seqlens_cpu_cache": PACKED_SEQ_PARAMS,
+               "te_attention_skip_cu_seqlens_cpu_cache": TE_ATTENTION}
     for name in sorted(REGISTRY):
-        src = CONFIG if "config" in name else _with_cp_size() if name == "gdn_prepare_qkv_fused_copies" else GDN
+        src = CONFIG if "config" in name else special.get(name, GDN)
         assert REGISTRY[name](src, "x.py") == REGISTRY[name](src, "x.py")
 
 
@@ -331,3 +335,59 @@ def test_transplant_of_a_missing_symbol_is_apply_error():
     with pytest.raises(ApplyError, match=r"m.py@abc: symbol 'absent' to transplant not found") as exc:
         transplant("X = 1\n", UP, ["resolve", "absent"], "m.py", "abc")
     assert exc.value.exit_code == 6
+
+
+PACKED_SEQ_PARAMS = """from dataclasses import dataclass
+
+
+@dataclass
+class PackedSeqParams:
+    qkv_format: str = None
+    total_tokens: int = None
+    seq_idx: Tensor = None
+
+    def __post_init__(self):
+        pass
+"""
+
+TE_ATTENTION = """class TEDotProductAttention(te.pytorch.DotProductAttention):
+    def __init__(self, config):
+        self.kept_packed_seq_params = set(field.name for field in dataclasses.fields(PackedSeqParams))
+        # total_tokens and seq_idx are only for Mamba and should not be forwarded to TE attention.
+        self.kept_packed_seq_params.discard("total_tokens")
+        self.kept_packed_seq_params.discard("seq_idx")
+
+        super().__init__()
+"""
+
+
+def test_packed_seq_params_gets_the_cache_field_after_seq_idx_once():
+    result = REGISTRY["packed_seq_params_cu_seqlens_cpu_cache"](PACKED_SEQ_PARAMS, "packed_seq_params.py")
+    cls = ast.parse(result.text).body[1]
+    fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
+    assert result.status == "applied" and fields == ["qkv_format", "total_tokens", "seq_idx", "cu_seqlens_cpu_cache"]
+    assert ast.literal_eval(cls.body[3].value) is None
+    again = REGISTRY["packed_seq_params_cu_seqlens_cpu_cache"](result.text, "packed_seq_params.py")
+    assert again.status == "already-present" and again.text == result.text
+
+
+def test_packed_seq_params_field_in_another_form_is_refused():
+    from backport.errors import BindingExists
+
+    text = PACKED_SEQ_PARAMS.replace("seq_idx: Tensor = None\n", "seq_idx: Tensor = None\n    cu_seqlens_cpu_cache: dict = None\n")
+    with pytest.raises(BindingExists, match="cu_seqlens_cpu_cache"):
+        REGISTRY["packed_seq_params_cu_seqlens_cpu_cache"](text, "packed_seq_params.py")
+    with pytest.raises(ApplyError, match="PackedSeqParams.seq_idx"):
+        REGISTRY["packed_seq_params_cu_seqlens_cpu_cache"](PACKED_SEQ_PARAMS.replace("seq_idx", "idx"), "p.py")
+
+
+def test_te_attention_discards_the_cache_field_after_seq_idx_once():
+    result = REGISTRY["te_attention_skip_cu_seqlens_cpu_cache"](TE_ATTENTION, "transformer_engine.py")
+    assert result.status == "applied"
+    lines = [ln.strip() for ln in result.text.splitlines() if "discard" in ln]
+    assert lines[-2:] == ['self.kept_packed_seq_params.discard("seq_idx")',
+                          'self.kept_packed_seq_params.discard("cu_seqlens_cpu_cache")']
+    again = REGISTRY["te_attention_skip_cu_seqlens_cpu_cache"](result.text, "transformer_engine.py")
+    assert again.status == "already-present" and again.text == result.text
+    with pytest.raises(ApplyError, match="discard"):
+        REGISTRY["te_attention_skip_cu_seqlens_cpu_cache"](TE_ATTENTION.replace('"seq_idx"', '"x"'), "te.py")
