@@ -437,7 +437,7 @@ def without_psutil():
 @contextlib.contextmanager
 def spy_model_paths(model):
     """Wrap the contract's per-mode names once (``gdn_harness.SPIED``, counts shared) and each
-    GDN layer's scan; conv calls are attributed to layers by their weight's storage. Yields
+    GDN layer's scan; conv calls are attributed to the layer whose forward is running. Yields
     ``{layer_number: gdn_harness.PathSpy}``."""
     import megatron.core.ssm.gated_delta_net as gdn
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
@@ -449,7 +449,7 @@ def spy_model_paths(model):
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     counts: Dict[str, int] = {}
     spies = {m.layer_number: H.PathSpy(counts=counts) for m in layers}
-    by_ptr = {m.conv1d.weight.data_ptr(): m.layer_number for m in layers}
+    current = [None]  # the GDN layer whose forward is running (conv calls happen inside it)
     mods = {"gdn": gdn, "gcp": gcp}
     with contextlib.ExitStack() as stack:
         for names in H.SPIED.values():
@@ -471,8 +471,7 @@ def spy_model_paths(model):
 
         def conv(*a, **k):
             x = k.get("x", a[0] if a else None)
-            w = k.get("weight", a[1] if len(a) > 1 else None)
-            layer = by_ptr.get(w.data_ptr()) if w is not None else None
+            layer = current[0]
             if layer in spies:
                 spies[layer].conv_calls.append({"tokens": int(x.shape[1]),
                                                 "cp_context": k.get("cp_context") is not None})
@@ -488,6 +487,15 @@ def spy_model_paths(model):
                 return __orig(q, *a, **k)
 
             stack.enter_context(mock.patch.object(m, "gated_delta_rule", rule))
+
+            def enter(mod, args, __n=m.layer_number):
+                current[0] = __n
+
+            def leave(mod, args, output):
+                current[0] = None
+
+            for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave)):
+                stack.callback(h.remove)
         yield spies
 
 

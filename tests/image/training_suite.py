@@ -29,11 +29,11 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List
 
@@ -160,7 +160,7 @@ def run_one(spec: T.RunSpec, out: Path, work: Path, device_kind: str, timeout: f
         rec = {"spec": T.asdict(spec), "steps": [], "paths": [], "error": repr(exc)[-4000:],
                "traceback": traceback.format_exc()[-4000:]}
     rec["elapsed_s"] = round(time.time() - t0, 1)
-    path = out / "runs" / (spec.name.replace("/", "__") + ".json")
+    path = _run_path(out, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n")
     return rec
@@ -183,53 +183,69 @@ def expected_errors() -> List[dict]:
              "message": "no error for an illegal geometry"}]
 
 
+def _run_path(out: Path, name: str) -> Path:
+    return out / "runs" / (name.replace("/", "__") + ".json")
+
+
 def execute(runs: List[dict], out: Path, work: Path, device_kind: str, jobs: int,
             budget: float, log) -> Dict[str, dict]:
-    """Run every spec, at most ``jobs`` at once; a resume waits for its save run."""
+    """Run every spec, at most ``jobs`` at once, a resume after its save run. ``jobs == 1``:
+    one after the other from this process; otherwise each from its own ``training_suite.py
+    one`` process (worlds are forked, and forking from a thread is not safe). Either way every
+    run's world is new processes."""
     t0 = time.time()
     savers = {r["spec"].save_name: r["spec"].name for r in runs if r["spec"].save_name}
     results: Dict[str, dict] = {}
     pending = list(runs)
-    futures = {}
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        while pending or futures:
-            for r in list(pending):
-                spec = r["spec"]
-                dep = savers.get(spec.load) if spec.load else None
-                if dep and dep not in results:
-                    continue
-                if len(futures) >= jobs:
-                    break
-                pending.remove(r)
-                left = budget - (time.time() - t0)
-                if left < 30:
-                    results[spec.name] = {"spec": T.asdict(spec), "steps": [], "paths": [],
-                                          "error": f"not started: --budget {budget:.0f}s spent"}
-                    continue
-                if dep and results[dep].get("error"):
-                    results[spec.name] = {"spec": T.asdict(spec), "steps": [], "paths": [],
-                                          "error": f"not started: its checkpoint's run {dep} failed"}
-                    continue
-                log(f"{time.time() - t0:7.1f}s start {spec.name} (world {spec.world})")
-                futures[pool.submit(run_one, spec, out, work, device_kind, left)] = spec.name
-            if not futures:
-                if pending:  # only resumes whose save run was never selected are left
-                    for r in pending:
-                        results[r["spec"].name] = {"spec": T.asdict(r["spec"]), "steps": [],
-                                                   "paths": [], "error": "its save run is missing"}
-                    pending = []
+    procs: Dict[str, subprocess.Popen] = {}
+
+    def not_run(spec, why):
+        results[spec.name] = {"spec": T.asdict(spec), "steps": [], "paths": [], "error": why}
+
+    while pending or procs:
+        for r in list(pending):
+            spec = r["spec"]
+            dep = savers.get(spec.load) if spec.load else None
+            if dep and dep not in results:
+                if not any(x["spec"].name == dep for x in pending) and dep not in procs:
+                    pending.remove(r)
+                    not_run(spec, f"its save run {dep} is not in this selection")
                 continue
-            done = next(iter(f for f in list(futures) if f.done()), None)
-            if done is None:
-                time.sleep(0.2)
+            if len(procs) >= jobs:
+                break
+            pending.remove(r)
+            left = budget - (time.time() - t0)
+            if left < 30:
+                not_run(spec, f"not started: --budget {budget:.0f}s spent")
                 continue
-            name = futures.pop(done)
-            results[name] = done.result()
+            if dep and results[dep].get("error"):
+                not_run(spec, f"not started: its checkpoint's run {dep} failed")
+                continue
+            log(f"{time.time() - t0:7.1f}s start {spec.name} (world {spec.world})")
+            _run_path(out, spec.name).unlink(missing_ok=True)
+            if jobs == 1:  # in this process (its world is still new processes)
+                results[spec.name] = run_one(spec, out, work, device_kind, left)
+                continue
+            procs[spec.name] = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "one", "--out", str(out),
+                 "--work", str(work), "--device", device_kind, "--timeout", str(int(left)),
+                 "--spec", json.dumps(T.asdict(spec))])
+        for name, p in list(procs.items()):
+            if p.poll() is None:
+                continue
+            del procs[name]
+            path = _run_path(out, name)
+            if path.exists():
+                results[name] = json.loads(path.read_text())
+            else:
+                spec = next(r["spec"] for r in runs if r["spec"].name == name)
+                not_run(spec, f"its process exited with {p.returncode} and wrote no record")
             rec = results[name]
             last = rec["steps"][-1] if rec["steps"] else {}
             log(f"{time.time() - t0:7.1f}s done  {name} ({rec.get('elapsed_s')} s) "
                 + (f"error {rec['error'][:300]}" if rec.get("error") else
                    f"step {last.get('step')} loss {last.get('loss'):.6f}"))
+        time.sleep(0.2)
     return results
 
 
@@ -358,7 +374,7 @@ def plot(out: Path) -> List[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["run", "plot", "list"])
+    ap.add_argument("command", choices=["run", "plot", "list", "one"])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--tier", choices=list(TIERS), default="full")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
@@ -366,7 +382,13 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=int(os.environ.get("GDN_TRAINING_JOBS", 3)))
     ap.add_argument("--budget", type=float, default=float(os.environ.get("GDN_TRAINING_BUDGET", 3600)))
     ap.add_argument("--work", type=Path, help="checkpoints (default: a temporary directory)")
+    ap.add_argument("--spec", help="one: the run's RunSpec as JSON")
+    ap.add_argument("--timeout", type=float, default=600.0, help="one: seconds for its world")
     args = ap.parse_args(argv)
+    if args.command == "one":  # a single run in this process's world (execute starts these)
+        rec = run_one(T.RunSpec(**json.loads(args.spec)), args.out, args.work, args.device,
+                      args.timeout)
+        return 1 if rec.get("error") else 0
     if args.command == "plot":
         for p in plot(args.out):
             print(p)
