@@ -80,6 +80,19 @@ def test_resumes_across_cp_sizes_match_the_uninterrupted_run():
         assert [row["step"] for row in r["rows"]] == [3, 4]
 
 
+def test_the_resume_meets_base_mcores_shared_adam_step():
+    """Problem 4 of docs/training.md is real in the tree under test: after the distributed
+    optimizer's load every parameter shared one Adam ``step`` tensor holding the dummy state's
+    1 instead of the checkpoint's 2 (the workaround then gave each its own step 2: the resume
+    test above passes only with it)."""
+    recs = [r for r in _of("run") if r["id"].startswith("resume/")]
+    assert len(recs) == 2
+    for r in recs:
+        assert r["loaded"]["step"] == 2
+        assert r["loaded"]["shared_step_tensor"] is True, r["loaded"]
+        assert r["loaded"]["step_values_before"] == [1.0], r["loaded"]
+
+
 def test_headwise_on_an_unsplittable_geometry_fails_at_construction():
     recs = _of("expected_error")
     assert not _bad(recs), recs

@@ -591,6 +591,10 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
 
         stack.enter_context(emulated_fla_in_megatron())
     ps.initialize_model_parallel(tensor_model_parallel_size=spec.tp, context_parallel_size=spec.cp)
+    if device.type == "cuda":  # the RNG tracker recompute's checkpoint saves and restores
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
     out = {"spec": asdict(spec), "steps": [], "paths": [], "workarounds": {}, "loaded": None}
     try:
         with stack:

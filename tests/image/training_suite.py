@@ -2,7 +2,8 @@
 
     python tests/image/training_suite.py run --out DIR [--tier cpu|full] [--device cpu|cuda]
         [--select REGEX] [--jobs N] [--budget S] [--work DIR]
-    python tests/image/training_suite.py plot --out DIR      # plots from DIR/runs/*.json
+    python tests/image/training_suite.py summarise --out DIR [--tier ...] [--select ...]
+    python tests/image/training_suite.py plot --out DIR      # plots from DIR/summary.json
 
 ``run`` executes every :class:`training.RunSpec` of the tier (``--select``: a regex on run
 names; runs a selected resume needs are added), each in a new gloo world of its own processes
@@ -19,7 +20,8 @@ runs the real FLA kernels with every rank on the host's GPUs (gloo, FLA's CP all
 * ``plots/<name>.png`` (matplotlib, when importable): loss and grad norm per step against the
   reference, and their relative difference.
 
-Exit status 0 when every comparison passed, 1 when one failed, 2 when a run could not start.
+``summarise`` rebuilds ``summary.json`` and the plots from the run records in ``DIR/runs``
+(records of several ``run`` calls copied into one ``DIR``). Exit status 0 when every comparison passed, 1 when one failed, 2 when a run could not start.
 Checkpoints go to ``--work`` (default: a temporary directory), never to ``DIR``.
 """
 
@@ -374,12 +376,12 @@ def plot(out: Path) -> List[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["run", "plot", "list", "one"])
+    ap.add_argument("command", choices=["run", "summarise", "plot", "list", "one"])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--tier", choices=list(TIERS), default="full")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     ap.add_argument("--select", help="regex on run names (their checkpoint runs are added)")
-    ap.add_argument("--jobs", type=int, default=int(os.environ.get("GDN_TRAINING_JOBS", 3)))
+    ap.add_argument("--jobs", type=int, default=int(os.environ.get("GDN_TRAINING_JOBS", 4)))
     ap.add_argument("--budget", type=float, default=float(os.environ.get("GDN_TRAINING_BUDGET", 3600)))
     ap.add_argument("--work", type=Path, help="checkpoints (default: a temporary directory)")
     ap.add_argument("--spec", help="one: the run's RunSpec as JSON")
@@ -407,11 +409,23 @@ def main(argv=None) -> int:
         for r in runs:
             print(r["spec"].name)
         return 0
+    if args.command == "summarise":  # from the run records in DIR/runs (several calls merged)
+        results = {}
+        for r in runs:
+            path = _run_path(args.out, r["spec"].name)
+            results[r["spec"].name] = (json.loads(path.read_text()) if path.exists() else
+                                       {"spec": T.asdict(r["spec"]), "steps": [], "paths": [],
+                                        "error": "not run (no record in runs/)"})
+        return _finish(args, runs, results)
     args.out.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="gdn-training-") as tmp:
         work = args.work or Path(tmp)
         results = execute(runs, args.out, work, args.device, args.jobs, args.budget, log)
+    return _finish(args, runs, results)
+
+
+def _finish(args, runs, results) -> int:
     summary = summarise(runs, results)
     summary.update(tier=args.tier, device=args.device, env=_env())
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
