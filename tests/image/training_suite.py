@@ -40,9 +40,16 @@ from pathlib import Path
 from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+# $GDN_TREE (default build/tree/patched) first on sys.path, as tests/image/_image_env does;
+# not imported from there: that module needs pytest, which a GPU host may not have.
+TREE = Path(os.environ.get("GDN_TREE", HERE.parents[1] / "build" / "tree" / "patched")).resolve()
+for _p in (str(HERE), str(TREE)):
+    if _p in sys.path:
+        sys.path.remove(_p)
+    sys.path.insert(0, _p)
+os.environ["GDN_TREE"] = str(TREE)
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # keep torch.compile'd helpers eager
 
-import _image_env  # noqa: E402,F401  (puts $GDN_TREE first on sys.path)
 import training as T  # noqa: E402
 
 # Frozen before any CP>1 result was looked at: docs/training.md says how they were derived.
@@ -438,7 +445,7 @@ def _finish(args, runs, results) -> int:
 def _env() -> dict:
     import torch
 
-    info = {"torch": torch.__version__, "tree": str(_image_env.GDN_TREE)}
+    info = {"torch": torch.__version__, "tree": str(TREE)}
     try:
         import fla
 
