@@ -36,6 +36,7 @@ def summary():
             results = S.execute(runs, OUT, Path(work), "cpu", jobs=1, budget=900, log=lambda s: None)
         s = S.summarise(runs, results)
         (OUT / "summary.json").write_text(json.dumps(s, indent=1, sort_keys=True) + "\n")
+        (OUT / "summary.md").write_text(S.tables({**s, "tier": "cpu", "device": "cpu"}))
         _cache["s"] = s
     return _cache["s"]
 

@@ -17,6 +17,7 @@ runs the real FLA kernels with every rank on the host's GPUs (gloo, FLA's CP all
 * ``summary.json``: every comparison at the frozen gates of ``GATES`` (docs/training.md):
   runs vs their CP=1 reference, resumes vs the uninterrupted run, the CP=1 spread the gates
   were derived from, expected errors; ``passed`` overall;
+* ``summary.md``: the tables of runs vs CP=1 and resumes vs the uninterrupted run;
 * ``plots/<name>.png`` (matplotlib, when importable): loss and grad norm per step against the
   reference, and their relative difference.
 
@@ -329,6 +330,34 @@ def summarise(runs: List[dict], results: Dict[str, dict]) -> dict:
     return {"passed": not failed, "failed": failed, "gates": GATES, "comparisons": comps}
 
 
+def tables(summary: dict) -> str:
+    """Markdown: runs vs their CP=1 reference (and the CP=1 spread), resumes vs the
+    uninterrupted run; worst relative loss / grad-norm difference per gate band."""
+    def band(c, upto):
+        b = next((x for x in c.get("by_band", []) if x["upto"] == upto), None)
+        return f"{b['max_loss_rel']:.1e} / {b['max_grad_norm_rel']:.1e}" if b else "-"
+
+    uptos = [b["upto"] for b in GATES["cp_vs_ref"]]
+    head = "| run | vs | " + " | ".join(f"k<={u}" for u in uptos) + " | passed |\n"
+    head += "|" + " --- |" * (len(uptos) + 3) + "\n"
+    out = [f"# Training tier summary ({summary.get('tier')}, {summary.get('device')}): "
+           f"{'passed' if summary['passed'] else 'FAILED: ' + ', '.join(summary['failed'])}\n",
+           "Worst relative difference loss / grad norm per band of k = steps since the common "
+           "state (gates: docs/training.md).\n"]
+    for title, kinds in (("Runs vs CP=1 reference", ("cp_vs_ref",)),
+                         ("Equivalent CP=1 configurations (the gates' basis, not gated)", ("spread",)),
+                         ("Resumes vs the uninterrupted run", ("resume",))):
+        rows = [c for c in summary["comparisons"] if c["kind"] in kinds]
+        if not rows:
+            continue
+        out.append(f"\n## {title}\n\n" + head)
+        for c in rows:
+            run, ref = c["id"].split(" vs ")
+            out.append(f"| {run} | {ref} | " + " | ".join(band(c, u) for u in uptos)
+                       + f" | {'yes' if c['passed'] else 'NO'} |\n")
+    return "".join(out)
+
+
 # --------------------------------------------------------------------------------------
 # plots
 # --------------------------------------------------------------------------------------
@@ -434,8 +463,10 @@ def main(argv=None) -> int:
 
 def _finish(args, runs, results) -> int:
     summary = summarise(runs, results)
-    summary.update(tier=args.tier, device=args.device, env=_env())
+    summary.update(tier=args.tier, env=_env(),
+                   device=args.device if args.command == "run" else "merged run records")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    (args.out / "summary.md").write_text(tables(summary))
     plot(args.out)
     print(json.dumps({"passed": summary["passed"], "failed": summary["failed"],
                       "comparisons": len(summary["comparisons"])}, indent=1))
