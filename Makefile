@@ -58,7 +58,7 @@ test-image: venv
 GPU_PYTHON_VERSION ?= 3.12
 WHEEL_DL = $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION)
 
-.PHONY: wheels gpu-bundle gpu-suite
+.PHONY: wheels gpu-bundle gpu-suite gpu-training
 
 .whl/fla042/.ok: | venv
 	$(WHEEL_DL) -d .whl/fla042 flash-linear-attention==0.4.2 fla-core==0.4.2
@@ -75,6 +75,9 @@ gpu-bundle: wheels  ## dist/gdn-gpu-bundle.tgz: repo, both trees, patch, wheels,
 
 gpu-suite:  ## On a 4-GPU host: the GPU part of the regression suite -> results/raw/gpu-suite.
 	tools/gpu-suite
+
+gpu-training:  ## On a GPU host: the training tier's full matrix -> results/training (docs/training.md).
+	tools/gpu-training
 
 # ---- image (Dockerfile, docker-py) --------------------------------------------
 # Owned by the image pipeline (Dockerfile, docker/, image_pipeline/, tools/image).
