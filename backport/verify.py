@@ -116,8 +116,13 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress) -> li
         checks.append({"check": "verbatim_files", "ok": True, "detail": f"{len(verbatim)} file(s) byte-identical to upstream"})
 
         changed = sorted(f.path for f in run.ws.changed())
+
+        def in_base(p: str, s: str) -> bool:  # the base's own file holds it: the patch does not bring it
+            state = run.ws.files.get(p)
+            return state is not None and state.exists_in_base and s in "".join(state.base_lines)
+
         hits = [(p, s) for p in changed if (tree / p).is_file()
-                for s in recipe.forbidden_strings if s in (tree / p).read_text(encoding="utf-8")]
+                for s in recipe.forbidden_strings if s in (tree / p).read_text(encoding="utf-8") and not in_base(p, s)]
         hits += [(p, s) for p, v in added for s in recipe.forbidden_strings if s in v]
         if hits:
             _fail("forbidden_strings", "; ".join(f"{s!r} in {p}" for p, s in sorted(set(hits))),

@@ -530,3 +530,14 @@ def test_manifest_tells_our_lines_from_upstreams(tmp_path, fake_repos, make_opti
     assert "Source: the fake downstream image's megatron.patch." in md
     assert f"sha256 `{hashlib.sha256(carry_patch.read_bytes()).hexdigest()}`" in md
     assert f"{totals['add-gdn-cp']['added_upstream']} up, {totals['add-gdn-cp']['added_ours']} ours" in md
+
+
+def test_a_forbidden_string_the_base_file_already_holds_is_not_the_patchs(tmp_path, fake_repos, make_options):
+    """A step changes a file whose base version already contains a forbidden string (at
+    Bridge a1bf00bd's base, packed_seq_params.py holds pad_between_seqs): the patch does not
+    bring it, so the check passes; a string the patch adds still fails (test above)."""
+    path = write_recipe(tmp_path / "r.yaml", _edit(fake_repos, forbidden_strings=["pad_between_seqs", "helper_2"]))
+    b = build(make_options(path))
+    assert "helper_2" in (b.base_tree / "megatron/core/utils.py").read_text()
+    check = {c["check"]: c for c in b.manifest["verification"]}["forbidden_strings"]
+    assert check["ok"]
