@@ -6,11 +6,25 @@ above the table) and, for a carried hunk the recipe supersedes, the step and the
 from __future__ import annotations
 
 
-def retarget_markdown(m: dict) -> list:
-    """The retargeted-pins section (:func:`backport.retarget.render_markdown`)."""
-    from .retarget import render_markdown as render
+def retarget_markdown(m: dict) -> list[str]:
+    """Markdown lines of the manifest's ``retarget`` section (empty without one)."""
+    r = m.get("retarget")
+    if not r:
+        return []
+    from .retarget import report_counts
 
-    return render(m)
+    lines = ["", "## Retargeted pins", "",
+             f"Built on Megatron-Bridge `{m['pins']['megatron_bridge']}` (MCore base `{m['pins']['mcore_base']}`, "
+             f"{m['pins']['commits_between']} commits before upstream, measured) instead of the recipe's Bridge "
+             f"`{r['recipe_pins']['megatron_bridge']}` (base `{r['recipe_pins']['mcore_base']}`, declared "
+             f"commits_between {r['recipe_pins']['commits_between']}).", "", "### Recipe steps at this base", ""]
+    lines += _table(["step", "kind", "status", "detail"],
+                    [[f"`{s['id']}`", s["kind"], s["status"], s["detail"]] for s in r["steps"]])
+    lines += ["", "### Upstream hunks at this base", "",
+              ", ".join(f"{k}: {v}" for k, v in report_counts(r).items()), ""]
+    lines += _table(["upstream hunk", "status", "detail"],
+                    [[f"`{h['id']}`", h["status"], h["detail"]] for h in r["upstream_hunks"]])
+    return lines
 
 
 def _table(headers: list[str], rows: list[list]) -> list[str]:

@@ -435,24 +435,3 @@ def report_counts(report: dict) -> dict:
     for h in report["upstream_hunks"]:
         counts[h["status"]] = counts.get(h["status"], 0) + 1
     return dict(sorted(counts.items()))
-
-
-def render_markdown(m: dict) -> list[str]:
-    """Markdown lines of the manifest's ``retarget`` section (empty without one)."""
-    r = m.get("retarget")
-    if not r:
-        return []
-    from .manifest_md import _table
-
-    lines = ["", "## Retargeted pins", "",
-             f"Built on Megatron-Bridge `{m['pins']['megatron_bridge']}` (MCore base `{m['pins']['mcore_base']}`, "
-             f"{m['pins']['commits_between']} commits before upstream, measured) instead of the recipe's Bridge "
-             f"`{r['recipe_pins']['megatron_bridge']}` (base `{r['recipe_pins']['mcore_base']}`, declared "
-             f"commits_between {r['recipe_pins']['commits_between']}).", "", "### Recipe steps at this base", ""]
-    lines += _table(["step", "kind", "status", "detail"],
-                    [[f"`{s['id']}`", s["kind"], s["status"], s["detail"]] for s in r["steps"]])
-    lines += ["", "### Upstream hunks at this base", "",
-              ", ".join(f"{k}: {v}" for k, v in report_counts(r).items()), ""]
-    lines += _table(["upstream hunk", "status", "detail"],
-                    [[f"`{h['id']}`", h["status"], h["detail"]] for h in r["upstream_hunks"]])
-    return lines
