@@ -329,6 +329,25 @@ def _state(recognise, text: str) -> str:
         return "unknown"
 
 
+def _merge_symbol(base: str, carried: str, after: str, qual: str, own: list, superseded: set) -> Optional[str]:
+    """``after`` with the symbol ``qual`` three-way merged (ancestor ``base``, ours the step's
+    ``after``, theirs ``carried``); None when the symbol is missing in one of them or a conflict
+    is not kept by the new code nor caused only by superseded carried hunks."""
+    spans = [_span(t, qual) for t in (base, carried, after)]
+    if None in spans:
+        return None
+    b_sym, c_sym, a_sym = ("".join(split_lines(t)[s:e]) for t, (s, e) in zip((base, carried, after), spans))
+    merged, n = merge3(a_sym, b_sym, c_sym)
+    if n:
+        for c in _conflicts(merged):
+            if not _kept_by_new(c) and any(h.oid not in superseded for h in _culprits(c, own)):
+                return None
+        merged, _ = merge3(a_sym, b_sym, c_sym, favour_ours=True)
+    lines = split_lines(after)
+    s, e = spans[2]
+    return "".join(lines[:s] + split_lines(merged) + lines[e:])
+
+
 def _carry_wrappers(base: str, before: str, after: str, qual: str, own: list, step, superseded: set,
                     fix_forms: Sequence):
     """Carry the user's form of a preserved fix into a function the step rewrote.
@@ -377,19 +396,9 @@ def _carry_wrappers(base: str, before: str, after: str, qual: str, own: list, st
     for w, run in sorted(wraps, key=lambda wr: -wr[0].lineno):
         c0[w.lineno - 1:w.end_lineno] = b_lines[run[0].lineno - 1:run[-1].end_lineno]
     c0_text = "".join(c0)
-    spans = [_span(t, qual) for t in (base, c0_text, after)]
-    if None in spans:
+    text = _merge_symbol(base, c0_text, after, qual, own, superseded)
+    if text is None:
         return None
-    b_sym, c_sym, a_sym = ("".join(split_lines(t)[s:e]) for t, (s, e) in zip((base, c0_text, after), spans))
-    merged, n = merge3(a_sym, b_sym, c_sym)
-    if n:
-        for c in _conflicts(merged):
-            if not _kept_by_new(c) and any(h.oid not in superseded for h in _culprits(c, own)):
-                return None
-        merged, _ = merge3(a_sym, b_sym, c_sym, favour_ours=True)
-    lines = split_lines(after)
-    s, e = spans[2]
-    text = "".join(lines[:s] + split_lines(merged) + lines[e:])
     records = []
     for w, run in sorted(wraps, key=lambda wr: wr[0].lineno):
         try:
@@ -484,19 +493,9 @@ def _carry_call_wrappers(base: str, before: str, after: str, qual: str, own: lis
     call, inner, base_call = wraps[0]
     wrapper = ast.get_source_segment(before, call.func)
     c0_text = _segment_replace(before, call.func, ast.get_source_segment(before, inner))
-    spans = [_span(t, qual) for t in (base, c0_text, after)]
-    if None in spans:
+    text = _merge_symbol(base, c0_text, after, qual, own, superseded)
+    if text is None:
         return None
-    b_sym, c_sym, a_sym = ("".join(split_lines(t)[s:e]) for t, (s, e) in zip((base, c0_text, after), spans))
-    merged, n = merge3(a_sym, b_sym, c_sym)
-    if n:
-        for c in _conflicts(merged):
-            if not _kept_by_new(c) and any(h.oid not in superseded for h in _culprits(c, own)):
-                return None
-        merged, _ = merge3(a_sym, b_sym, c_sym, favour_ours=True)
-    lines = split_lines(after)
-    s, e = spans[2]
-    text = "".join(lines[:s] + split_lines(merged) + lines[e:])
     try:
         fn = _function_node(ast.parse(text), qual)
     except SyntaxError:

@@ -28,19 +28,9 @@ from unittest import mock
 import pytest
 
 from _image_env import need_fla, need_tree
+from _world import FakeGroup
 
 
-class FakeGroup:
-    """A CP group seen from ``rank``: only ``size()`` and ``rank()`` (no collective runs)."""
-
-    def __init__(self, size, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 @contextlib.contextmanager
