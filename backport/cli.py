@@ -339,6 +339,9 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
             click.echo(f"lock: {output.LOCK} equals the committed lock (dated {shown}){back}")
         elif not changes:
             click.echo(f"lock: {output.LOCK} unchanged (dated {shown}, as the previous run wrote it)")
+        elif old_lock is None:
+            click.echo(f"lock: {out / output.LOCK} written (there was none in --out; dated {shown}, {source}). "
+                       "Later plain runs into this --out take its date.")
         else:
             same_day = old_lock is not None and old_lock.get("date") == output.lock_data(build)["date"]
             if same_day and not release:

@@ -115,8 +115,11 @@ class FeatureNative(PipelineError):
     """
 
     exit_code = 17
-    default_hint = ("Use the base as it is (no backport needed); carry only the fixes marked needed, "
-                    "or pick a Bridge commit whose MCore base precedes the upstream commit (--bridge SHA).")
+    default_hint = ("Use the base as it is (no backport needed). The tool writes no fixes-only patch: keep the "
+                    "items marked needed in your own downstream patch (the two preserved fixes come from the "
+                    "recipe's `fix` steps, named with their source in manifest.md; the others are behaviours of "
+                    "ours to check against the native code), or pick a Bridge commit whose MCore base precedes "
+                    "the upstream commit (--bridge SHA).")
 
     def __init__(self, message: str, base: str, upstream: str, fixes: list, hint=None):
         super().__init__(message, hint=hint)

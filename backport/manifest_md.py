@@ -117,6 +117,8 @@ def render_markdown(m: dict) -> str:
     rows = []
     for oid, o in m["origins"].items():
         why = o.get("why", "")
+        if why and not why.rstrip().endswith((".", ")", ":")):
+            why = why.rstrip() + "."
         if o.get("status") == "superseded":
             why += f" Superseded by `{o.get('superseded_by', '?')}`: {o.get('superseded_why', '')}"
         for kept in o.get("kept_forms") or []:

@@ -127,7 +127,7 @@ def test_exit_0_and_the_lock_note(base_args, tmp_path):
     result = _invoke(base_args + ["--no-trees"])
     assert result.exit_code == 0, result.output
     assert result.stderr.count("error:") == 0
-    assert "release: manifests/lock.json changed: new lock" in result.stdout
+    assert "manifests/lock.json written (there was none in --out; dated 2026-01-02, " in result.stdout
     again = _invoke(base_args + ["--no-trees"])
     assert "lock: manifests/lock.json unchanged (dated 2026-01-02, as the previous run wrote it)" in again.stdout
     assert "success" in readme_table()[0]
