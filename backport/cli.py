@@ -165,7 +165,7 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
     hunk manifest (JSON + Markdown), after verifying the patch against the pristine base.
     A plain run reproduces the date of manifests/lock.json; --release or --date makes a new one.
     """
-    from . import locks
+    from . import locks, output
 
     # Not a terminal (CI, a pipe, a log file): one line per message, never wrapped mid-phrase.
     err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
@@ -174,6 +174,9 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
     cache = cache_dir or None
     try:
         out = _out_folder(out)
+        from .cache import default_cache_dir
+
+        output.refuse_out_in_cache(out, Path(cache_dir) if cache_dir else default_cache_dir())
         if summary:
             _print_summary(out)
             return

@@ -125,9 +125,14 @@ def validate(opts: Options) -> None:
     if day is None or day.year < 1970 or len(opts.date) != 8:
         raise UsageError(f"date {opts.date!r} is not a YYYYMMDD day from {DATE_RANGE[0]} to {DATE_RANGE[1]}.",
                          hint="For example --date 2026-11-29.")
+    for flag, value in (("--upstream", opts.upstream), ("--bridge", opts.bridge), ("--mcore-base", opts.mcore_base)):
+        if value is not None and not str(value).strip():
+            raise UsageError(f"{flag} {value!r} names no commit (an empty value is not taken as the recipe's pin)",
+                             hint=f"Pass {flag} a commit SHA, or drop it to use the recipe's pin; check the "
+                                  "variable that gave the empty value.")
     if opts.mcore_base is not None and not opts.allow_pin_mismatch:
-        raise UsageError(f"--mcore-base {opts.mcore_base} differs from the Bridge's .dev.commit by design; "
-                         "it needs --allow-pin-mismatch.",
+        raise UsageError(f"--mcore-base {opts.mcore_base} needs --allow-pin-mismatch: it overrides the base the "
+                         "Bridge commit's .dev.commit names.",
                          hint="Drop --mcore-base (the base is read from the --bridge commit's .dev.commit), "
                               "or add --allow-pin-mismatch.")
     if opts.import_check:

@@ -184,6 +184,23 @@ def refuse_nested_out(out: Path, default_root: Path) -> None:
                      f"(e.g. --out {anc / 'build' / 'out'} or a folder elsewhere), then run the same command again.")
 
 
+def refuse_out_in_cache(out: Path, cache: Path) -> None:
+    """Refuse an output root that is the tool's cache or lies inside it (or holds it): the run
+    would write its outputs and lock into cache entries it reads (a cached base tree), which then
+    fail their digest and are rebuilt, deleting what was written there.
+
+    Raises:
+        UsageError: naming ``out`` and the cache.
+    """
+    target, cache_r = out.resolve(), cache.resolve()
+    if target == cache_r or cache_r in target.parents:
+        raise UsageError(
+            f"--out {out} lies inside the tool's cache {cache_r}; a run there would write into cache entries "
+            "it reads (a cached base tree is checked against its digest and rebuilt)",
+            hint="Pass --out a folder outside the cache ($GDN_BACKPORT_CACHE or --cache-dir, default "
+                 "~/.cache/gdn-backport), then run the same command again.")
+
+
 def _entries(top: Path) -> set:
     """Relative paths of the files and symlinks under ``top`` (links not followed), without
     the caches :mod:`backport.tree_digest` ignores too (``__pycache__``, ``*.pyc``...)."""

@@ -429,6 +429,31 @@ def without_psutil():
         yield True
 
 
+@contextlib.contextmanager
+def workaround_nvrx_without_async_api():
+    """Base MCore x the image's packages (problem 5 of docs/training.md): ``torch_dist`` saves go
+    through nvidia-resiliency-ext's async writer whenever that package imports, and the image's
+    locked nvidia-resiliency-ext 0.4.1 lacks ``get_write_results_queue``, which the pinned MCore's
+    ``get_async_strategy`` imports: every ``dist_checkpointing.save`` then fails with
+    "nvidia-resiliency-ext package is not installed". Megatron's own fallback, the ``mcore``
+    async strategy, is used instead (as the error message advises), only when the API is absent.
+    Yields True when the workaround is active."""
+    import importlib
+
+    import megatron.core.dist_checkpointing.strategies.torch as ts
+
+    try:
+        fsa = importlib.import_module("nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async")
+        missing = not hasattr(fsa, "get_write_results_queue")
+    except ImportError:
+        missing = False  # no package: MCore already takes its own strategy
+    if not (missing and getattr(ts, "HAVE_NVRX", False)):
+        yield False
+        return
+    with mock.patch.object(ts, "HAVE_NVRX", False):
+        yield True
+
+
 # --------------------------------------------------------------------------------------
 # path proof, per layer
 # --------------------------------------------------------------------------------------
@@ -542,7 +567,8 @@ def save_checkpoint(path, model, optimizer, step, dp_cp_group) -> None:
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(model, optimizer, step, False, dp_cp_group), path)
+    with workaround_nvrx_without_async_api():
+        dist_checkpointing.save(_sharded(model, optimizer, step, False, dp_cp_group), path)
     dist.barrier()
 
 

@@ -312,3 +312,33 @@ def test_a_release_does_not_count_files_of_the_old_lock_as_the_users(builds, tmp
     (root / "build/tree/base/mine.txt").write_text("mine\n")
     output.write(builds["A"], root, warn=said.append)
     assert len(said) == 1 and "deletes 1 file in" in said[0] and "build/tree/base/mine.txt" in said[0]
+
+
+def test_an_out_inside_the_tools_cache_is_refused_before_any_work(tmp_path):
+    """--out in (or at) the cache would put the outputs and their lock into a cached base tree,
+    which then fails its digest and is rebuilt (hostile trial: a RecursionError, a corrupted
+    cache entry)."""
+    from click.testing import CliRunner
+
+    from backport.cli import cli
+
+    cache = tmp_path / "cache"
+    entry = cache / "trees" / "2faedbf6f-85bced0ae" / "megatron"
+    entry.mkdir(parents=True)
+    for out in (entry, cache):
+        result = CliRunner().invoke(cli, ["--cache-dir", str(cache), "--out", str(out), "--no-import-check"])
+        assert result.exit_code == 2, result.output
+        assert "lies inside the tool's cache" in result.stderr
+        assert sorted(p.name for p in entry.iterdir()) == []  # nothing written, no lock taken there
+
+
+@pytest.mark.parametrize("flag", ["--bridge", "--upstream", "--mcore-base"])
+def test_an_empty_pin_flag_is_refused_not_taken_as_the_recipes_pin(tmp_path, flag):
+    from click.testing import CliRunner
+
+    from backport.cli import cli
+
+    result = CliRunner().invoke(cli, [flag, "", "--allow-pin-mismatch", "--out", str(tmp_path / "o"),
+                                      "--cache-dir", str(tmp_path / "c"), "--no-import-check"])
+    assert result.exit_code == 2, result.output
+    assert f"{flag} '' names no commit" in result.stderr
