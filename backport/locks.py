@@ -56,6 +56,13 @@ def _lock_error(exc: OSError, path: Path, what: str) -> WriteError:
     return WriteError(f"cannot take the lock for {what}: {exc.strerror or exc}: {where}", hint=hint)
 
 
+def _command_line(limit: int = 300) -> str:
+    """This process's command line for the owner note: whole when short, else cut with an ellipsis
+    (so a waiting run never shows a shortened command as if it were the whole)."""
+    text = " ".join(sys.argv)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 @contextlib.contextmanager
 def hold(path: Path, what: str, say: Callable[[str], None] = _say) -> Iterator[None]:
     """Hold the exclusive lock ``path`` (created with its parent) for the block.
@@ -90,7 +97,7 @@ def hold(path: Path, what: str, say: Callable[[str], None] = _say) -> Iterator[N
     try:
         tmp = owner.with_name(f"{owner.name}.{os.getpid()}")
         tmp.write_text(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S', time.gmtime())} UTC: "
-                       + " ".join(sys.argv[:1] + sys.argv[1:6])[:200] + "\n", encoding="utf-8",
+                       + _command_line() + "\n", encoding="utf-8",
                        errors="backslashreplace")
         os.replace(tmp, owner)
     except OSError:

@@ -225,3 +225,17 @@ def test_cli_names_a_shallow_mirror_with_exit_3(tmp_path, shallow_mlm, fake_repo
     assert proc.returncode == 3, proc.stderr
     assert "shallow clone: fetch its full history" in proc.stderr and "\nhint: " in proc.stderr
     assert "not an ancestor" not in proc.stderr
+
+
+def test_the_lock_owner_note_gives_the_whole_command_or_says_it_is_cut(monkeypatch):
+    """A waiting run shows who holds the lock: the whole command line (hostile trial: argv was
+    cut after five arguments without a word), or a cut one that ends in an ellipsis."""
+    from backport import locks
+
+    argv = ["tools/backport", "--carry", "/tmp/a.patch", "--no-import-check", "--out", "/tmp/o",
+            "--release", "--date", "2026-12-03"]
+    monkeypatch.setattr("sys.argv", argv)
+    assert locks._command_line() == " ".join(argv)
+    monkeypatch.setattr("sys.argv", ["tools/backport", "--carry", "x" * 400])
+    cut = locks._command_line()
+    assert len(cut) == 300 and cut.endswith("…")
