@@ -234,6 +234,16 @@ def _for_unidiff(lines: list) -> tuple[list, dict]:
     return out, notes
 
 
+def _display_name(name: str) -> str:
+    """A ---/+++ name for messages, as the carry means it: git's quoting undone, the a/ or b/
+    prefix dropped (a malformed quoted name is shown as written)."""
+    try:
+        name = unquote(name)
+    except ValueError:
+        return name
+    return name[2:] if name.startswith(("a/", "b/")) else name
+
+
 def _whole_side_empty(pfile, side: str) -> bool:
     """True when ``pfile`` is one hunk whose ``side`` ("source" or "target") is ``-0,0``/``+0,0``.
 
@@ -314,7 +324,7 @@ def load_carry(path: Path) -> Carry:
                 info["binary"] = line
         # A carry saved with CRLF throughout leaves "\r" on the ---/+++ names: not part of the path.
         source_file, target_file = pfile.source_file.rstrip("\r"), pfile.target_file.rstrip("\r")
-        label = target_file if target_file != "/dev/null" else source_file
+        label = _display_name(target_file if target_file != "/dev/null" else source_file)
         if getattr(pfile, "is_binary_file", False) or "binary" in info:
             raise CarryRefused(path, label, "binary", hint="Carry binary files outside the patch, or drop them from it.")
         for key in ("old mode", "new mode", "new file mode", "deleted file mode", "index mode"):
