@@ -80,7 +80,7 @@ def test_binary_diff_is_refused_naming_the_file(tmp_path, args):
 
 
 def test_a_refused_section_is_named_as_the_carry_means_it_not_as_git_quotes_it(tmp_path):
-    """git quotes a non-ASCII name ("b/m/caf\303\251.bin"): the refusal names m/café.bin."""
+    """git quotes a non-ASCII name (C-style, octal escapes, b/ prefix): the refusal names m/café.bin."""
     carry, repo = make_carry(tmp_path, {"m/café.bin": b"\0\1\2"}, lambda r: _write(r / "m/café.bin", b"\0\3"),
                              ("--binary",))
     assert b'"b/m/caf\\303\\251.bin"' in carry.read_bytes()
