@@ -329,6 +329,18 @@ def _state(recognise, text: str) -> str:
         return "unknown"
 
 
+def _fix_kept(candidate: str, before: str, text: str, fix_forms) -> Optional[str]:
+    """The id of the preserved fix whose form the carried file ``before`` has, the merged ``text``
+    lacks and ``candidate`` (``text`` with the user's wrapper put back) has again; None when no
+    fix form explains the wrapper or ``candidate`` does not parse."""
+    try:
+        ast.parse(candidate)
+    except SyntaxError:
+        return None
+    return next((fid for fid, recognise in fix_forms if _state(recognise, before) == "present"
+                 and _state(recognise, text) != "present" and _state(recognise, candidate) == "present"), None)
+
+
 def _merge_symbol(base: str, carried: str, after: str, qual: str, own: list, superseded: set) -> Optional[str]:
     """``after`` with the symbol ``qual`` three-way merged (ancestor ``base``, ours the step's
     ``after``, theirs ``carried``); None when the symbol is missing in one of them or a conflict
@@ -426,12 +438,7 @@ def _carry_wrappers(base: str, before: str, after: str, qual: str, own: list, st
         wrapped = ([at + ln[len(w_indent):] if ln.strip() else ln for ln in header]
                    + [body_indent[len(w_indent):] + ln if ln.strip() else ln for ln in t_lines[first:last]])
         candidate = "".join(t_lines[:first] + wrapped + t_lines[last:])
-        try:
-            ast.parse(candidate)
-        except SyntaxError:
-            return None
-        fix = next((fid for fid, recognise in fix_forms if _state(recognise, before) == "present"
-                    and _state(recognise, text) != "present" and _state(recognise, candidate) == "present"), None)
+        fix = _fix_kept(candidate, before, text, fix_forms)
         if fix is None:
             return None
         head = {ln.rstrip("\r\n") for ln in header if ln.strip()}
@@ -504,12 +511,7 @@ def _carry_call_wrappers(base: str, before: str, after: str, qual: str, own: lis
     if len(targets) != 1:
         return None
     candidate = _segment_replace(text, targets[0].func, wrapper)
-    try:
-        ast.parse(candidate)
-    except SyntaxError:
-        return None
-    fix = next((fid for fid, recognise in fix_forms if _state(recognise, before) == "present"
-                and _state(recognise, text) != "present" and _state(recognise, candidate) == "present"), None)
+    fix = _fix_kept(candidate, before, text, fix_forms)
     if fix is None:
         return None
     c_lines = split_lines(before)
