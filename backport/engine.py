@@ -67,7 +67,7 @@ class _Run:
 
     def __init__(self, recipe: Recipe, mlm: Source, upstream_sha: str, hunks: dict[str, UpstreamHunk],
                  base_tree: Path, carry: Optional[Path], warn: Callable[[str], None] = lambda _m: None,
-                 base_sha: Optional[str] = None, retargeted: bool = False):
+                 base_sha: Optional[str] = None, retargeted: bool = False, carry_model=None):
         self.recipe, self.mlm, self.upstream_sha, self.hunks = recipe, mlm, upstream_sha, hunks
         self.base_sha = base_sha
         #: pins other than the recipe's (--bridge/--mcore-base): what the base already has is
@@ -78,7 +78,9 @@ class _Run:
         self.base_tree, self.carry, self.warn = base_tree, carry, warn
         self.ws = Workspace()
         self.origins: dict[str, dict] = {}
-        self.carry_model = None
+        #: the carry parsed once per run (its bytes read once: the digest, the parse and the
+        #: determinism re-run see the same bytes even when the file changes meanwhile)
+        self.carry_model = carry_model
         self.carried_text: dict[str, Optional[str]] = {}
         self._upstream_parent: dict[str, Optional[str]] = {}
         #: path -> the file after the recipe steps so far, without the carry (the ancestor of the
@@ -106,7 +108,7 @@ class _Run:
                 raise retarget.annotate_failure(exc, step, self.base_tree)
 
     def _apply_carry(self) -> None:
-        carry = load_carry(self.carry)
+        carry = self.carry_model if self.carry_model is not None else load_carry(self.carry)
         check_paths(carry, self.base_tree)
         apply_carry(carry, self.ws, self.base_text, self.base_tree, self.origins, self.warn)
         self.carry_model = carry
@@ -608,7 +610,8 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
 
     t2 = time.perf_counter()
     progress("applying carry and recipe")
-    carry_sha = hashlib.sha256(opts.carry.read_bytes()).hexdigest() if opts.carry else None
+    carry_model = load_carry(opts.carry) if opts.carry else None
+    carry_sha = hashlib.sha256(carry_model.raw).hexdigest() if carry_model else None
     header = (
         f"gdn-backport {__version__} megatron.patch, {opts.date[:4]}-{opts.date[4:6]}-{opts.date[6:]}\n"
         f"base: Megatron-Bridge {bridge_sha} + Megatron-LM {base_sha}\n"
@@ -620,7 +623,7 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
 
     def once(warn=lambda _m: None):
         run = _Run(recipe, mlm, upstream_sha, hunks, base_tree, opts.carry, warn=warn, base_sha=base_sha,
-                   retargeted=used.retargeted)
+                   retargeted=used.retargeted, carry_model=carry_model)
         run.apply()
         return run, make_patch(run.ws.changed(), header, base_tree)
 

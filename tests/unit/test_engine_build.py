@@ -108,6 +108,30 @@ def test_carried_patch_hunks_are_carried_origins(recipe, carry_patch, make_optio
     assert m["patch"]["name"] == f"20260102-{m['pins']['mcore_base'][:9]}-carry-{m['carry']['sha256'][:8]}.patch"
 
 
+def test_carry_bytes_are_read_once_per_run(recipe, carry_patch, make_options, monkeypatch):
+    """The digest, the parse and the determinism re-run see the same carry bytes: a carry file
+    rewritten while the run goes on changes neither the sha256 named nor the patch made."""
+    import hashlib
+
+    from backport import engine
+
+    original = carry_patch.read_bytes()
+    real_load = engine.load_carry
+    calls = []
+
+    def load_then_rewrite(path):
+        calls.append(path)
+        carry = real_load(path)
+        path.write_bytes(b"rewritten meanwhile\n")
+        return carry
+
+    monkeypatch.setattr(engine, "load_carry", load_then_rewrite)
+    b = build(make_options(recipe, carry=carry_patch))
+    assert len(calls) == 1
+    assert b.manifest["carry"]["sha256"] == hashlib.sha256(original).hexdigest()
+    assert b.patch.decode().count("tuple(slices)") == 1
+
+
 def _edit(fake_repos, **change):
     data = recipe_data(fake_repos)
     for k, v in change.items():
