@@ -47,6 +47,7 @@ import argparse
 import json
 import os
 import statistics
+import signal
 import subprocess
 import sys
 import time
@@ -59,6 +60,14 @@ LAYOUTS = ("thd", "sbhd")
 # the runtime calls that block the host until the device drains (as bench/profile_attr.py counts them)
 SYNC_RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 ATTRIBUTED_ROOTS = ("megatron", "fla")
+# --matrix: issue 24's one-GPU matrix in one device call (10 minutes at most). CP=1 timings on the
+# full micro-batch in two alternated rounds per tree; every count-only launch on 8192 tokens (the
+# counts do not depend on the token count: one host copy per micro-batch, or per segment and
+# layer on the old image, with the same 8 segments).
+MATRIX_DEFAULTS = {"cp": [1, 2, 4], "modes": list(PATCHED_MODES + ("ideal", "old_headwise")),
+                   "layers": [2, 8], "layouts": ["thd", "sbhd"], "recompute": ["off", "on"],
+                   "rounds": 2, "count_tokens": 8192, "warmup": 2, "repeats": 6, "no_profile": True,
+                   "deadline_s": 560, "timeout_s": 240}
 
 
 def _csv(text, what, allowed=None, cast=str):
@@ -113,26 +122,47 @@ def parse_args(argv=None):
                    help="skip the profiler cross-check of the sync counts")
     p.add_argument("--timeout-s", type=int, default=1800,
                    help="per worker launch; a launch killed at the limit keeps the runs it finished")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="CP=1 timed launches per tree, alternated between the trees (ABBA...); rounds "
+                   "after the first time only (no sync counts)")
+    p.add_argument("--count-tokens", type=int, default=None,
+                   help="global tokens of the count-only launches (CP>1, and CP=1's headwise/all_gather, "
+                   "which take chunkwise's path at CP=1); default --tokens")
+    p.add_argument("--deadline-s", type=int, default=0,
+                   help="wall-clock budget of the whole call (0: none): each launch gets what is left, "
+                   "launches that cannot start are recorded as skipped")
+    p.add_argument("--matrix", action="store_true",
+                   help="issue 24's whole one-GPU matrix in one call: the defaults become " + ", ".join(
+                       f"--{k.replace('_', '-')} {v}" for k, v in MATRIX_DEFAULTS.items()
+                       if k not in ("no_profile",)) + " (options given explicitly still win)")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON job (internal)
+    if "--matrix" in (argv if argv is not None else sys.argv[1:]):
+        p.set_defaults(**MATRIX_DEFAULTS)
     args = p.parse_args(argv)
+    if args.count_tokens is None:
+        args.count_tokens = args.tokens
     for flag in ("tokens", "samples", "hidden", "key_heads", "value_heads", "head_dim",
-                 "conv_kernel", "ffn_hidden", "repeats"):
+                 "conv_kernel", "ffn_hidden", "repeats", "rounds", "count_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
     if args.warmup < 0:
         p.error("--warmup must be at least 0")
+    if args.deadline_s < 0:
+        p.error("--deadline-s must be at least 0")
     if args.cpu_smoke and args.tokens == 32768:
         args.tokens, args.hidden, args.ffn_hidden, args.head_dim = 256, 128, 256, 32
         args.key_heads, args.value_heads = 4, 8
-    if "thd" in args.layouts:
-        bad = [P for P in args.cp if args.tokens % args.samples or (args.tokens // args.samples) % (2 * P)]
+        args.count_tokens = min(args.count_tokens, args.tokens)
+    for flag, T in (("--tokens", args.tokens), ("--count-tokens", args.count_tokens)):
+        if "thd" in args.layouts:
+            bad = [P for P in args.cp if T % args.samples or (T // args.samples) % (2 * P)]
+            if bad:
+                p.error(f"{flag} {T} as --samples {args.samples} does not split into 2*CP chunks "
+                        f"per sample for CP {bad}; pick {flag} divisible by samples*2*CP")
+        bad = [P for P in args.cp if T % (2 * P)]
         if bad:
-            p.error(f"--tokens {args.tokens} as --samples {args.samples} does not split into 2*CP chunks "
-                    f"per sample for CP {bad}; pick --tokens divisible by samples*2*CP")
-    bad = [P for P in args.cp if args.tokens % (2 * P)]
-    if bad:
-        p.error(f"--tokens {args.tokens} is not divisible by 2*CP for CP {bad}")
+            p.error(f"{flag} {T} is not divisible by 2*CP for CP {bad}")
     if os.path.isfile(args.out):
         p.error(f"--out {args.out} is a file; give a directory")
     return args
@@ -213,24 +243,56 @@ def growth_per_layer(runs):
 
 
 def plan_jobs(args):
-    """Worker launches: ``[{"name", "tree", "world", "cp", "modes", "tokens", "timed",
-    "fla_site"}]`` for the chosen modes and CP sizes, plus ``skipped`` reasons."""
+    """Worker launches, in the order they run: ``[{"name", "tree", "world", "cp", "modes",
+    "tokens", "timed", "counts", "round"}]`` (``ideal_for`` on the ideal launches), plus
+    ``skipped`` reasons.
+
+    CP=1: one timed launch per tree and round; rounds alternate which tree goes first (patched,
+    base; base, patched; ...) so a drift of the GPU's clocks over the call shows in both. Only
+    round 1 counts syncs. At CP=1 the three patched modes take the same path: chunkwise is
+    timed, headwise and all_gather are counted (``patched-cp1-modes``, ``--count-tokens``).
+    CP>1: count-only launches on ``--count-tokens`` tokens (ranks share one GPU). ``ideal`` for
+    CP=P: the patched stack at CP=1 on ``--tokens``/P tokens, timed."""
     jobs, skipped = [], []
     patched = [m for m in args.modes if m in PATCHED_MODES]
     old = "old_headwise" in args.modes
     if old and not args.fla041_site:
         skipped.append({"mode": "old_headwise", "why": "no --fla041-site (FLA 0.4.1) given"})
         old = False
-    for P in args.cp:
+
+    def job(name, tree, P, modes, tokens, timed, counts=True, rnd=1, **extra):
+        return dict({"name": name, "tree": tree, "world": P, "cp": P,
+                     "modes": modes, "tokens": tokens, "timed": timed, "counts": counts, "round": rnd},
+                    **extra)
+
+    def cp1_round(rnd):
+        pair = []
+        suffix = "" if rnd == 1 else f"-r{rnd}"
         if patched:
-            jobs.append({"name": f"patched-cp{P}", "tree": "patched", "world": P, "cp": P,
-                         "modes": patched, "tokens": args.tokens, "timed": P == 1})
+            pair.append(job(f"patched-cp1{suffix}", "patched", 1, patched[:1], args.tokens, True,
+                            counts=rnd == 1, rnd=rnd))
         if old:
-            jobs.append({"name": f"base-cp{P}", "tree": "base", "world": P, "cp": P,
-                         "modes": ["old_headwise"], "tokens": args.tokens, "timed": P == 1})
+            pair.append(job(f"base-cp1{suffix}", "base", 1, ["old_headwise"], args.tokens, True,
+                            counts=rnd == 1, rnd=rnd))
+        return pair if rnd % 2 else pair[::-1]
+
+    if 1 in args.cp:
+        jobs += cp1_round(1)
+        if patched[1:]:
+            jobs.append(job("patched-cp1-modes", "patched", 1, patched[1:], args.count_tokens, False))
+    for P in args.cp:
+        if P == 1:
+            continue
+        if patched:
+            jobs.append(job(f"patched-cp{P}", "patched", P, patched, args.count_tokens, False))
+        if old:
+            jobs.append(job(f"base-cp{P}", "base", P, ["old_headwise"], args.count_tokens, False))
+    for P in args.cp:
         if "ideal" in args.modes and P > 1:
-            jobs.append({"name": f"ideal-p{P}", "tree": "patched", "world": 1, "cp": 1,
-                         "modes": ["ideal"], "tokens": args.tokens // P, "timed": True, "ideal_for": P})
+            jobs.append(job(f"ideal-p{P}", "patched", 1, ["ideal"], args.tokens // P, True, ideal_for=P))
+    if 1 in args.cp:
+        for rnd in range(2, args.rounds + 1):
+            jobs += cp1_round(rnd)
     return jobs, skipped
 
 
@@ -413,7 +475,8 @@ def _worker(args, job):
                 for L in args.layers:
                     rec = {"mode": mode, "cp": P, "layers": L, "layout": layout, "recompute": recompute,
                            "tokens": T, "local_tokens": local, "samples": args.samples if layout == "thd" else 1,
-                           "tree": job["tree"], "timings_valid": bool(job["timed"]) and not cpu}
+                           "tree": job["tree"], "timings_valid": bool(job["timed"]) and not cpu,
+                           "round": job.get("round", 1)}
                     if "ideal_for" in job:
                         rec["ideal_for_cp"] = job["ideal_for"]
                     try:
@@ -446,12 +509,12 @@ def _measure(torch, dist, args, stack, L, layout, recompute, ckpt, T, local, dev
     blocks = stack.blocks[:L]
     phase = {"now": "forward"}
 
-    def micro_batch(psp):
+    def micro_batch(psp, per_layer=False):
         stack.zero_grad()
         phase["now"] = "forward"
         h = x0.detach().requires_grad_(True)
         for blk in blocks:
-            fn = stack.block_fn(blk, psp)
+            fn = stack.block_fn(blk, fresh() if per_layer else psp)
             h = ckpt(fn, h) if recompute else fn(h)
         phase["now"] = "backward"
         h.backward(gy)
@@ -476,22 +539,28 @@ def _measure(torch, dist, args, stack, L, layout, recompute, ckpt, T, local, dev
     med = statistics.median(times)
     out.update(median_ms=round(med, 3), min_ms=round(min(times), 3), tokens_per_s=round(T / (med / 1e3), 1),
                times_ms=[round(v, 3) for v in times])
-    if not cpu:
-        out["peak_alloc_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        out["peak_reserved_mib"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
-        psp = fresh()
-        out["host_syncs"] = summarize_syncs(count_syncs(torch, lambda: micro_batch(psp), phase))
-        gcp = sys.modules.get("megatron.core.ssm.gdn_context_parallel")
-        if layout == "thd" and hasattr(gcp, "attach_cu_seqlens_cpu"):  # trees before issue 24 lack it
-            psp = fresh()
-            attach = count_syncs(torch, lambda: gcp.attach_cu_seqlens_cpu(psp), phase)
-            out["attach_syncs"] = len(attach)
-            out["host_syncs_attached"] = summarize_syncs(count_syncs(torch, lambda: micro_batch(psp), phase))
-        if not args.no_profile:
-            psp = fresh()
-            out["runtime_sync_calls"] = count_runtime_syncs(torch, lambda: micro_batch(psp))
-    else:
+    if cpu:
         out["host_syncs"] = None
+        return out
+    out["peak_alloc_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    out["peak_reserved_mib"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
+    if not job.get("counts", True):
+        out["host_syncs"] = None
+        return out
+    psp = fresh()
+    out["host_syncs"] = summarize_syncs(count_syncs(torch, lambda: micro_batch(psp), phase))
+    gcp = sys.modules.get("megatron.core.ssm.gdn_context_parallel")
+    if layout == "thd" and hasattr(gcp, "attach_cu_seqlens_cpu"):  # trees before issue 24 lack it
+        psp = fresh()
+        attach = count_syncs(torch, lambda: gcp.attach_cu_seqlens_cpu(psp), phase)
+        out["attach_syncs"] = len(attach)
+        out["host_syncs_attached"] = summarize_syncs(count_syncs(torch, lambda: micro_batch(psp), phase))
+        # "before": the patched tree as it was before issue 24 made one host copy per GDN layer;
+        # a PackedSeqParams of its own per layer gives every layer that copy again (emulated)
+        out["host_syncs_before"] = summarize_syncs(count_syncs(torch, lambda: micro_batch(None, True), phase))
+    if not args.no_profile:
+        psp = fresh()
+        out["runtime_sync_calls"] = count_runtime_syncs(torch, lambda: micro_batch(psp))
     return out
 
 
@@ -502,11 +571,13 @@ def lb_timer(torch, cpu):
 def _line(r):
     s = r.get("host_syncs") or {}
     a = r.get("host_syncs_attached")
+    b = r.get("host_syncs_before")
     return (f"{r['mode']:12s} cp={r['cp']} L={r['layers']} {r['layout']} recompute={r['recompute']:3s} "
             f"{r['tokens_per_s']:>12.1f} tok/s{'' if r['timings_valid'] else ' (timing n/a)'} "
             f"peak {r.get('peak_alloc_mib', 0):.0f} MiB syncs {s.get('total')} "
             f"(fwd {s.get('forward')}, bwd {s.get('backward')})"
             + (f" attached {a['total']} + attach {r['attach_syncs']}" if a else "")
+            + (f" before {b['total']}" if b else "")
             + (f" {s.get('sites')}" if s.get("sites") else ""))
 
 
@@ -515,8 +586,10 @@ def _line(r):
 # --------------------------------------------------------------------------------------
 
 
-def _launch(args, job, part, argv):
-    """Run one worker launch (``job["world"]`` ranks) in a fresh process group; returns rc."""
+def _launch(args, job, part, argv, timeout):
+    """Run one worker launch (``job["world"]`` ranks) in a fresh process group and session;
+    returns its exit code, 124 when it ran past ``timeout`` seconds (the whole session is then
+    killed, so no rank is left holding the GPU for the next launch)."""
     tree = args.tree if job["tree"] == "patched" else args.base_tree
     env = dict(os.environ)
     # the tree (and for the base tree FLA 0.4.1) first, ahead of whatever FLA the environment has
@@ -528,10 +601,14 @@ def _launch(args, job, part, argv):
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(job["world"]), os.path.abspath(__file__), *argv, "--worker", json.dumps(dict(job, part=part))]
-    print(f"gdn_model: launch {job['name']} ({job['world']} rank(s))", file=sys.stderr, flush=True)
+    print(f"gdn_model: launch {job['name']} ({job['world']} rank(s), at most {timeout:.0f} s)",
+          file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        return subprocess.run(cmd, env=env, timeout=args.timeout_s).returncode
+        return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         return 124
 
 
@@ -560,14 +637,26 @@ def main(argv=None):
         "patch_sha256": _import_layer_bench()._patch_sha256(), "workers": {}},
         "runs": [], "errors": [], "skipped": skipped}
     rc = 0
+    t0 = time.monotonic()
     for job in jobs:
         part = os.path.join(os.path.abspath(args.out), "parts", f"{job['name']}.json")
         if os.path.exists(part):
             os.remove(part)
-        code = _launch(args, job, part, argv)
+        timeout = float(args.timeout_s)
+        if args.deadline_s:
+            left = args.deadline_s - (time.monotonic() - t0)
+            if left < 30:
+                result["skipped"].append({"job": job["name"], "why": f"--deadline-s {args.deadline_s} "
+                                          f"reached ({left:.0f} s left); give a longer deadline or fewer jobs"})
+                rc = 1
+                continue
+            timeout = min(timeout, left)
+        started = time.monotonic()
+        code = _launch(args, job, part, argv, timeout)
+        result["meta"].setdefault("launch_s", {})[job["name"]] = round(time.monotonic() - started, 1)
         if code:
             result["errors"].append({"job": job["name"], "error": f"worker launch exited {code} (124: "
-                                     f"--timeout-s {args.timeout_s}); its runs so far are kept"})
+                                     f"its time limit of {timeout:.0f} s); its runs so far are kept"})
             rc = 1
         if not os.path.exists(part):
             continue

@@ -23,11 +23,13 @@ from pathlib import Path
 LINE = re.compile(
     r"^(?P<mode>\w+)\s+cp=(?P<cp>\d+) L=(?P<layers>\d+) (?P<layout>\w+) recompute=(?P<recompute>\w+)\s+"
     r"(?P<tps>[\d.]+) tok/s(?P<na> \(timing n/a\))? peak (?P<peak>\d+) MiB syncs (?P<total>\d+) "
-    r"\(fwd (?P<fwd>\d+), bwd (?P<bwd>\d+)\)(?: attached (?P<att>\d+) \+ attach (?P<attach>\d+))?(?: (?P<sites>\{.*\}))?$")
+    r"\(fwd (?P<fwd>\d+), bwd (?P<bwd>\d+)\)(?: attached (?P<att>\d+) \+ attach (?P<attach>\d+))?"
+    r"(?: before (?P<before>\d+))?(?: (?P<sites>\{.*\}))?$")
 
 
 def _key(r: dict) -> tuple:
-    return (r["tree"], r["mode"], r["cp"], r["layout"], r["recompute"], r["layers"])
+    return (r["tree"], r["mode"], r["cp"], r["layout"], r["recompute"], r["layers"], r.get("round", 1),
+            r.get("ideal_for_cp", 0))
 
 
 def from_line(line: str) -> dict | None:
@@ -45,6 +47,8 @@ def from_line(line: str) -> dict | None:
     if g["att"] is not None:
         rec["host_syncs_attached"] = {"total": int(g["att"])}
         rec["attach_syncs"] = int(g["attach"])
+    if g["before"] is not None:
+        rec["host_syncs_before"] = {"total": int(g["before"])}
     return rec
 
 
@@ -66,60 +70,112 @@ def _syncs(r: dict) -> str:
     return f"{s.get('total')} ({s.get('forward')}/{s.get('backward')})"
 
 
+def _median(xs: list) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def cp1_timings(runs: list) -> list:
+    """CP=1 patched (chunkwise) against the old image, per (layout, recompute, L):
+    ``{"layout", "recompute", "layers", "rounds": [[patched, old, ratio], ...], "median_ratio",
+    "patched_peak_mib", "old_peak_mib"}``; a round counts when both trees ran it."""
+    cells: dict = {}
+    for r in runs:
+        if r["cp"] != 1 or not r.get("timings_valid") or r["mode"] not in ("chunkwise", "old_headwise"):
+            continue
+        c = cells.setdefault((r["layout"], r["recompute"], r["layers"]), {})
+        c.setdefault(r.get("round", 1), {})[r["tree"]] = r
+    out = []
+    for (layout, rc, L), by_round in sorted(cells.items()):
+        rounds = [[b["patched"]["tokens_per_s"], b["base"]["tokens_per_s"],
+                   b["patched"]["tokens_per_s"] / b["base"]["tokens_per_s"]]
+                  for _, b in sorted(by_round.items()) if "patched" in b and "base" in b]
+        first = by_round[min(by_round)]
+        out.append({"layout": layout, "recompute": rc, "layers": L, "rounds": rounds,
+                    "median_ratio": _median([x[2] for x in rounds]) if rounds else None,
+                    "patched_peak_mib": (first.get("patched") or {}).get("peak_alloc_mib"),
+                    "old_peak_mib": (first.get("base") or {}).get("peak_alloc_mib")})
+    return out
+
+
 def tables(runs: list) -> str:
     out = ["# Model-level benchmark: a stack of L GDN layers with their MLPs", "",
            "Qwen3.5-9B GDN geometry (hidden 4096, 16 key / 32 value heads, head dim 128, conv 4), SwiGLU MLP "
-           "12288, bf16, TP=1, one H200; 32768 tokens per micro-batch (THD: 8 packed samples), forward + "
-           "backward. CP>1 ranks share the GPU over gloo: their sync counts are valid, their timings are not.",
+           "12288, bf16, TP=1, one H200; CP=1 timings on 32768 tokens per micro-batch (THD: 8 packed samples), "
+           "forward + backward; the `tokens` column gives each count's micro-batch. CP>1 ranks share the GPU "
+           "over gloo: their sync counts are valid, their timings are not.",
            "", "## Host syncs per micro-batch", "",
            "`fresh`: the layers get a new `PackedSeqParams` (the first GDN layer makes the host copy); "
            "`attached`: the data pipeline attached it first (`attach_cu_seqlens_cpu`, its own sync in "
-           "`attach`). Counts are total (forward/backward).", ""]
-    out += ["| tree | mode | CP | layout | recompute | L | fresh | attached | attach | sites |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "`attach`); `before`: every GDN layer gets a `PackedSeqParams` of its own, as the patched tree "
+           "made one host copy per layer before issue 24 (emulated on this tree). Counts are total "
+           "(forward/backward).", ""]
+    out += ["| tree | mode | CP | layout | recompute | L | tokens | fresh | attached | attach | before | sites |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
-        att = r.get("host_syncs_attached")
+        if r.get("host_syncs") is None or r["mode"] == "ideal":
+            continue
+        att, bef = r.get("host_syncs_attached"), r.get("host_syncs_before")
         sites = ", ".join(f"`{k}` {v}" for k, v in sorted((r.get("host_syncs") or {}).get("sites", {}).items()))
         out.append(f"| {r['tree']} | {r['mode']} | {r['cp']} | {r['layout']} | {r['recompute']} | {r['layers']} | "
-                   f"{_syncs(r)} | {att['total'] if att else '-'} | {r.get('attach_syncs', '-')} | {sites} |")
-    out += ["", "## CP=1 tokens/s and peak memory (one call, medians; not alternated processes)", "",
-            "| layout | recompute | L | patched tok/s | old image tok/s | patched / old | patched peak MiB | old peak MiB |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    by = {_key(r): r for r in runs}
-    for r in runs:
-        if r["cp"] != 1 or r["tree"] != "patched":
-            continue
-        old = by.get(("base", "old_headwise", 1, r["layout"], r["recompute"], r["layers"]))
-        ratio = f"{r['tokens_per_s'] / old['tokens_per_s']:.3f}" if old else "-"
-        out.append(f"| {r['layout']} | {r['recompute']} | {r['layers']} | {r['tokens_per_s']:.0f} | "
-                   f"{old['tokens_per_s']:.0f} | {ratio} | {r.get('peak_alloc_mib', 0):.0f} | "
-                   f"{old.get('peak_alloc_mib', 0):.0f} |" if old else
-                   f"| {r['layout']} | {r['recompute']} | {r['layers']} | {r['tokens_per_s']:.0f} | - | - | "
-                   f"{r.get('peak_alloc_mib', 0):.0f} | - |")
+                   f"{r.get('tokens', '-')} | {_syncs(r)} | {att['total'] if att else '-'} | "
+                   f"{r.get('attach_syncs', '-')} | {bef['total'] if bef else '-'} | {sites} |")
+    out += ["", "## CP=1 tokens/s and peak memory, patched (chunkwise) against the old image", "",
+            "Each round is one process per tree, the rounds alternating which tree runs first; tokens/s "
+            "from the median of the round's timed micro-batches.", "",
+            "| layout | recompute | L | rounds: patched / old tok/s (ratio) | median ratio | patched peak MiB | "
+            "old peak MiB |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for c in cp1_timings(runs):
+        rounds = "; ".join(f"{p:.0f} / {o:.0f} ({x:.3f})" for p, o, x in c["rounds"]) or "-"
+        med = f"{c['median_ratio']:.3f}" if c["median_ratio"] is not None else "-"
+        out.append(f"| {c['layout']} | {c['recompute']} | {c['layers']} | {rounds} | {med} | "
+                   f"{c['patched_peak_mib'] or '-'} | {c['old_peak_mib'] or '-'} |")
+    ideal = [r for r in runs if r["mode"] == "ideal" and r.get("timings_valid")]
+    if ideal:
+        out += ["", "## Ideal: the patched stack at CP=1 on tokens/CP (what CP ranks reach with no "
+                "communication), one GPU", "", "| for CP | layout | recompute | L | tokens | tok/s per GPU | peak MiB |",
+                "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in sorted(ideal, key=lambda r: (r.get("ideal_for_cp", 0), r["layout"], r["recompute"], r["layers"])):
+            out.append(f"| {r.get('ideal_for_cp')} | {r['layout']} | {r['recompute']} | {r['layers']} | "
+                       f"{r['tokens']} | {r['tokens_per_s']:.0f} | {r.get('peak_alloc_mib', '-')} |")
     return "\n".join(out) + "\n"
 
 
 def plot(runs: list, path: Path) -> None:
+    """``model.png``: CP=1 tokens/s (median over rounds) and host syncs per micro-batch (fresh;
+    dashed: ``before``) against L."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    series: dict = {}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    tps: dict = {}
+    syncs: dict = {}
     for r in runs:
-        series.setdefault((r["tree"], r["mode"], r["cp"], r["layout"], r["recompute"]), []).append(r)
-    for (tree, mode, cp, layout, rc), rs in sorted(series.items()):
-        rs = sorted(rs, key=lambda r: r["layers"])
-        label = f"{mode} cp{cp} {layout} rc={rc}"
-        xs = [r["layers"] for r in rs]
-        if cp == 1:
-            a.plot(xs, [r["tokens_per_s"] for r in rs], marker="o", label=label)
-        b.plot(xs, [(r.get("host_syncs") or {}).get("total", 0) for r in rs], marker="o", label=label)
-    a.set(xlabel="GDN layers L", ylabel="tokens/s (CP=1)", title="throughput, CP=1")
-    b.set(xlabel="GDN layers L", ylabel="host syncs per micro-batch", yscale="symlog", title="host syncs (fresh)")
+        if r["mode"] == "ideal":
+            continue
+        if r["cp"] == 1 and r.get("timings_valid"):
+            tps.setdefault((r["tree"], r["mode"], r["layout"], r["recompute"]), {}).setdefault(
+                r["layers"], []).append(r["tokens_per_s"])
+        if r.get("host_syncs") is not None:
+            k = (r["tree"], r["mode"], r["cp"], r["layout"], r["recompute"])
+            syncs.setdefault(k, {})[r["layers"]] = (r["host_syncs"]["total"],
+                                                    (r.get("host_syncs_before") or {}).get("total"))
+    for (tree, mode, layout, rc), by_l in sorted(tps.items()):
+        xs = sorted(by_l)
+        a.plot(xs, [_median(by_l[x]) for x in xs], marker="o", label=f"{mode} {layout} rc={rc}")
+    for (tree, mode, cp, layout, rc), by_l in sorted(syncs.items()):
+        xs = sorted(by_l)
+        line, = b.plot(xs, [by_l[x][0] for x in xs], marker="o", label=f"{mode} cp{cp} {layout} rc={rc}")
+        if all(by_l[x][1] is not None for x in xs):
+            b.plot(xs, [by_l[x][1] for x in xs], ls="--", color=line.get_color(), alpha=0.6)
+    a.set(xlabel="GDN layers L", ylabel="tokens/s (CP=1, median over rounds)", title="throughput, CP=1")
+    b.set(xlabel="GDN layers L", ylabel="host syncs per micro-batch", yscale="symlog",
+          title="host syncs (solid: fresh; dashed: before issue 24, emulated)")
     a.legend(fontsize=6)
-    b.legend(fontsize=6)
+    b.legend(fontsize=5, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

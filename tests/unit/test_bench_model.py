@@ -55,13 +55,56 @@ def test_out_must_not_be_a_file(bench, tmp_path, capsys):
 def test_job_plan_times_cp1_counts_cp2_4_and_skips_old_without_fla041(bench):
     jobs, skipped = bench.plan_jobs(bench.parse_args([]))
     names = [j["name"] for j in jobs]
-    assert names == ["patched-cp1", "patched-cp2", "ideal-p2", "patched-cp4", "ideal-p4"]
-    assert [j["timed"] for j in jobs] == [True, False, True, False, True]
-    assert jobs[2]["tokens"] == 32768 // 2 and jobs[2]["world"] == 1 and jobs[2]["modes"] == ["ideal"]
+    assert names == ["patched-cp1", "patched-cp1-modes", "patched-cp2", "patched-cp4", "ideal-p2", "ideal-p4"]
+    assert [j["timed"] for j in jobs] == [True, False, False, False, True, True]
+    assert jobs[0]["modes"] == ["chunkwise"] and jobs[1]["modes"] == ["headwise", "all_gather"]
+    ideal = jobs[4]
+    assert ideal["tokens"] == 32768 // 2 and ideal["world"] == 1 and ideal["cp"] == 1
+    assert ideal["modes"] == ["ideal"] and ideal["ideal_for"] == 2
     assert skipped == [{"mode": "old_headwise", "why": "no --fla041-site (FLA 0.4.1) given"}]
     jobs, skipped = bench.plan_jobs(bench.parse_args(["--fla041-site", "/x", "--cp", "1,2"]))
-    assert [j["name"] for j in jobs] == ["patched-cp1", "base-cp1", "patched-cp2", "base-cp2", "ideal-p2"]
-    assert not skipped and jobs[1]["modes"] == ["old_headwise"] and jobs[3]["world"] == 2
+    assert [j["name"] for j in jobs] == ["patched-cp1", "base-cp1", "patched-cp1-modes", "patched-cp2",
+                                         "base-cp2", "ideal-p2"]
+    assert not skipped and jobs[1]["modes"] == ["old_headwise"] and jobs[4]["world"] == 2
+
+
+def test_matrix_alternates_cp1_rounds_counts_once_and_lets_explicit_options_win(bench):
+    a = bench.parse_args(["--matrix", "--fla041-site", "/x"])
+    assert (a.rounds, a.count_tokens, a.deadline_s, a.warmup, a.repeats) == (2, 8192, 560, 2, 6)
+    assert a.no_profile and a.cp == [1, 2, 4] and a.tokens == 32768
+    jobs, _ = bench.plan_jobs(a)
+    names = [j["name"] for j in jobs]
+    assert names[:2] == ["patched-cp1", "base-cp1"] and names[-2:] == ["base-cp1-r2", "patched-cp1-r2"]
+    assert [j["counts"] for j in jobs if j["round"] == 2] == [False, False]
+    assert all(j["counts"] for j in jobs if j["round"] == 1)
+    assert {j["tokens"] for j in jobs if not j["timed"]} == {8192}
+    assert {j["tokens"] for j in jobs if j["timed"] and j["modes"] != ["ideal"]} == {32768}
+    b = bench.parse_args(["--matrix", "--rounds", "3", "--cp", "1", "--repeats", "4"])
+    assert (b.rounds, b.cp, b.repeats, b.count_tokens) == (3, [1], 4, 8192)
+    assert [j["round"] for j in bench.plan_jobs(b)[0]] == [1, 1, 2, 3]
+    assert bench.parse_args([]).count_tokens == 32768  # without --matrix: --tokens
+
+
+def test_deadline_skips_launches_that_cannot_start_and_fails_the_call(bench, tmp_path, monkeypatch, capsys):
+    clock = iter([0.0, 0.0, 540.0, 540.0, 545.0])
+    monkeypatch.setattr(bench.time, "monotonic", lambda: next(clock, 545.0))
+    launched = []
+
+    def fake_launch(args, job, part, argv, timeout):
+        launched.append((job["name"], timeout))
+        return 0
+    monkeypatch.setattr(bench, "_launch", fake_launch)
+    tree = tmp_path / "tree" / "megatron" / "core" / "ssm"
+    tree.mkdir(parents=True)
+    (tree / "gated_delta_net.py").write_text("")
+    rc = bench.main(["--tree", str(tmp_path / "tree"), "--cp", "1,2", "--modes", "chunkwise",
+                     "--deadline-s", "560", "--timeout-s", "240", "--out", str(tmp_path / "o")])
+    assert rc == 1
+    assert launched == [("patched-cp1", 240.0)]
+    import json
+    res = json.loads((tmp_path / "o" / "gdn_model.json").read_text())
+    assert [s["job"] for s in res["skipped"]] == ["patched-cp2"]
+    assert "--deadline-s 560 reached" in res["skipped"][0]["why"]
 
 
 @pytest.mark.parametrize("frames, site", [
@@ -105,3 +148,36 @@ def test_growth_per_layer_is_the_slope_between_smallest_and_largest_L(bench):
     g = bench.growth_per_layer(runs)
     assert [(r["mode"], r["per_extra_layer"]) for r in g] == [("chunkwise", 0.0), ("old_headwise", 46.0)]
     assert g[1]["syncs"] == [92, 368] and g[1]["layers"] == [2, 8]
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("bench_model_report", ROOT / "bench" / "model_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_report_pairs_cp1_rounds_by_tree_and_keeps_ideal_runs_apart(report):
+    def run(tree, mode, rnd, tps, **kw):
+        return dict({"tree": tree, "mode": mode, "cp": 1, "layout": "thd", "recompute": "off", "layers": 8,
+                     "round": rnd, "tokens_per_s": tps, "timings_valid": True, "host_syncs": None}, **kw)
+    runs = [run("patched", "chunkwise", 1, 99.0), run("base", "old_headwise", 1, 100.0),
+            run("base", "old_headwise", 2, 100.0), run("patched", "chunkwise", 2, 102.0),
+            run("patched", "chunkwise", 3, 500.0)]  # round 3 has no old-image partner: not paired
+    (c,) = report.cp1_timings(runs)
+    assert [round(x[2], 3) for x in c["rounds"]] == [0.99, 1.02]
+    assert c["median_ratio"] == pytest.approx(1.005)
+    ideal = [run("patched", "ideal", 1, 1.0, ideal_for_cp=2), run("patched", "ideal", 1, 2.0, ideal_for_cp=4)]
+    assert len({report._key(r) for r in ideal}) == 2
+
+
+def test_report_reads_a_result_line_with_the_before_count(report, bench):
+    rec = {"mode": "chunkwise", "cp": 2, "layers": 8, "layout": "thd", "recompute": "on", "tokens_per_s": 5.0,
+           "timings_valid": False, "peak_alloc_mib": 7.0,
+           "host_syncs": {"total": 1, "forward": 1, "backward": 0, "sites": {"megatron/x.py:3": 1}},
+           "host_syncs_attached": {"total": 0}, "attach_syncs": 1, "host_syncs_before": {"total": 8}}
+    got = report.from_line(bench._line(rec))
+    assert got["host_syncs_before"] == {"total": 8} and got["host_syncs_attached"] == {"total": 0}
+    assert got["host_syncs"]["sites"] == {"megatron/x.py:3": 1} and got["timings_valid"] is False
