@@ -65,7 +65,8 @@ ATTRIBUTED_ROOTS = ("megatron", "fla")
 # counts do not depend on the token count: one host copy per micro-batch, or per segment and
 # layer on the old image, with the same 8 segments).
 MATRIX_DEFAULTS = {"cp": [1, 2, 4], "modes": list(PATCHED_MODES + ("ideal", "old_headwise")),
-                   "layers": [2, 8], "layouts": ["thd", "sbhd"], "recompute": ["off", "on"],
+                   "layers": [2, 8], "layouts": ["thd", "sbhd"], "timed_layouts": ["thd"],
+                   "recompute": ["off", "on"],
                    "rounds": 2, "count_tokens": 8192, "warmup": 2, "repeats": 6, "no_profile": True,
                    "deadline_s": 560, "timeout_s": 240}
 
@@ -106,6 +107,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", default="2,8", type=lambda t: _csv(t, "layer counts", cast=int))
     p.add_argument("--cp", default="1,2,4", type=lambda t: _csv(t, "CP sizes", cast=int))
     p.add_argument("--layouts", default="thd,sbhd", type=lambda t: _csv(t, "layouts", LAYOUTS))
+    p.add_argument("--timed-layouts", default=None, type=lambda t: _csv(t, "layouts", LAYOUTS),
+                   help="layouts of the CP=1 timed launches (default --layouts; count-only launches "
+                   "take --layouts)")
     p.add_argument("--recompute", default="off,on",
                    type=lambda t: _csv(t, "recompute settings", ("off", "on")))
     p.add_argument("--tokens", type=int, default=32768, help="global tokens per micro-batch")
@@ -142,6 +146,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.count_tokens is None:
         args.count_tokens = args.tokens
+    if args.timed_layouts is None:
+        args.timed_layouts = args.layouts
     for flag in ("tokens", "samples", "hidden", "key_heads", "value_heads", "head_dim",
                  "conv_kernel", "ffn_hidden", "repeats", "rounds", "count_tokens"):
         if getattr(args, flag) < 1:
@@ -243,7 +249,8 @@ def growth_per_layer(runs):
 
 
 def plan_jobs(args):
-    """Worker launches, in the order they run: ``[{"name", "tree", "world", "cp", "modes",
+    """Worker launches, in the order they run (most wanted first, so a ``--deadline-s`` cuts
+    the least wanted): ``[{"name", "tree", "world", "cp", "modes",
     "tokens", "timed", "counts", "round"}]`` (``ideal_for`` on the ideal launches), plus
     ``skipped`` reasons.
 
@@ -277,7 +284,8 @@ def plan_jobs(args):
         return pair if rnd % 2 else pair[::-1]
 
     if 1 in args.cp:
-        jobs += cp1_round(1)
+        for rnd in range(1, args.rounds + 1):
+            jobs += cp1_round(rnd)
         if patched[1:]:
             jobs.append(job("patched-cp1-modes", "patched", 1, patched[1:], args.count_tokens, False))
     for P in args.cp:
@@ -290,9 +298,6 @@ def plan_jobs(args):
     for P in args.cp:
         if "ideal" in args.modes and P > 1:
             jobs.append(job(f"ideal-p{P}", "patched", 1, ["ideal"], args.tokens // P, True, ideal_for=P))
-    if 1 in args.cp:
-        for rnd in range(2, args.rounds + 1):
-            jobs += cp1_round(rnd)
     return jobs, skipped
 
 
@@ -470,7 +475,7 @@ def _worker(args, job):
             errors.append({"mode": mode, "error": f"{type(exc).__name__}: {exc}"[:2000]})
             traceback.print_exc()
             continue
-        for layout in args.layouts:
+        for layout in (args.timed_layouts if job["timed"] else args.layouts):
             for recompute in args.recompute:
                 for L in args.layers:
                     rec = {"mode": mode, "cp": P, "layers": L, "layout": layout, "recompute": recompute,

@@ -74,14 +74,15 @@ def test_matrix_alternates_cp1_rounds_counts_once_and_lets_explicit_options_win(
     assert a.no_profile and a.cp == [1, 2, 4] and a.tokens == 32768
     jobs, _ = bench.plan_jobs(a)
     names = [j["name"] for j in jobs]
-    assert names[:2] == ["patched-cp1", "base-cp1"] and names[-2:] == ["base-cp1-r2", "patched-cp1-r2"]
+    assert names[:4] == ["patched-cp1", "base-cp1", "base-cp1-r2", "patched-cp1-r2"]
+    assert names[-2:] == ["ideal-p2", "ideal-p4"] and a.timed_layouts == ["thd"]
     assert [j["counts"] for j in jobs if j["round"] == 2] == [False, False]
     assert all(j["counts"] for j in jobs if j["round"] == 1)
     assert {j["tokens"] for j in jobs if not j["timed"]} == {8192}
     assert {j["tokens"] for j in jobs if j["timed"] and j["modes"] != ["ideal"]} == {32768}
     b = bench.parse_args(["--matrix", "--rounds", "3", "--cp", "1", "--repeats", "4"])
     assert (b.rounds, b.cp, b.repeats, b.count_tokens) == (3, [1], 4, 8192)
-    assert [j["round"] for j in bench.plan_jobs(b)[0]] == [1, 1, 2, 3]
+    assert [j["round"] for j in bench.plan_jobs(b)[0]] == [1, 2, 3, 1]
     assert bench.parse_args([]).count_tokens == 32768  # without --matrix: --tokens
 
 
