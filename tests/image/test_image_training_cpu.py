@@ -245,3 +245,48 @@ def test_config_for_the_base_tree_drops_only_what_the_patch_adds():
         T.config_kwargs_for_tree(kw, T.RunSpec("p"), Old)
     with pytest.raises(ValueError, match="unknown tree 'old'"):
         T.config_kwargs_for_tree(kw, T.RunSpec("x", tree="old"), Old)
+
+
+def test_base_tree_processes_get_the_base_tree_and_fla041_first(tmp_path, monkeypatch):
+    """What tools/gpu-training sets up on the GPU host, on CPU: the environment ``tree_env``
+    gives a base-tree run's process leads with the base tree and ``$GDN_BASE_SITE`` (FLA 0.4.1)
+    and drops the patched tree and ``$GDN_PATCHED_SITE`` (FLA 0.4.2), so that process imports
+    the base tree's megatron and the 0.4.1 FLA, never both FLAs. Stand-in FLA packages that
+    only carry a version prove which site won; ``check_fla_for_tree`` names a mismatch."""
+    need_base_tree()
+    import os
+    import subprocess
+    import sys
+
+    import training as T
+    import training_suite as S
+
+    sites = {}
+    for v in ("0.4.1", "0.4.2"):
+        d = tmp_path / f"fla{v.replace('.', '')}"
+        (d / "fla").mkdir(parents=True)
+        (d / "fla" / "__init__.py").write_text(f"__version__ = {v!r}\n")
+        sites[v] = str(d)
+    monkeypatch.setenv("GDN_BASE_SITE", sites["0.4.1"])
+    monkeypatch.setenv("GDN_PATCHED_SITE", sites["0.4.2"])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(S.TREE_DIRS["patched"]), sites["0.4.2"], "/elsewhere"]))
+    probe = ("import fla, megatron.core.ssm as m, os; "
+             "print(fla.__version__); print(os.path.realpath(m.__file__))")
+    for tree, fla_v in (("base", "0.4.1"), ("patched", "0.4.2")):
+        env = S.tree_env(tree)
+        parts = env["PYTHONPATH"].split(os.pathsep)
+        assert parts[:2] == [str(S.TREE_DIRS[tree]), sites[fla_v]], parts
+        assert parts[2:] == ["/elsewhere"], parts
+        assert env["GDN_TREE"] == str(S.TREE_DIRS[tree])
+        got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=120, cwd=str(tmp_path))
+        assert got.returncode == 0, got.stderr[-2000:]
+        version, path = got.stdout.split()
+        assert version == fla_v and path.startswith(str(S.TREE_DIRS[tree]) + "/"), (tree, got.stdout)
+    import types
+
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.4.2"))
+    with pytest.raises(RuntimeError, match=r"run b \(tree base\) needs FLA 0.4.1, imports 0.4.2"):
+        S.check_fla_for_tree(T.RunSpec("b", tree="base"))
+    assert S.check_fla_for_tree(T.RunSpec("p")) == "0.4.2"
