@@ -246,7 +246,7 @@ def check_fla_for_tree(spec: T.RunSpec) -> str:
         raise RuntimeError(
             f"run {spec.name} (tree {spec.tree}) needs FLA {want}, imports {got}; "
             f"${SITE_ENV[spec.tree]}={os.environ.get(SITE_ENV[spec.tree])!r} (tools/gpu-training "
-            f"installs .whl/fla0{want.replace('.', '')[1:]} there)")
+            f"installs .whl/fla{want.replace('.', '')} there)")
     return got
 
 
