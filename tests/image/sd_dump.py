@@ -7,6 +7,12 @@ DP=1) and writes, per mode (``default`` = the tree's default) and rank: every st
 with its shape and dtype, and every sharded tensor (factories expanded) with key, global
 shape, global offset, axis fragmentations, local shape, prepend_axis_num and replica id.
 Both trees are packages named ``megatron``, so each tree needs its own process.
+
+    python tests/image/sd_dump.py --tree build/tree/base --gpt base --out base-gpt.json
+
+instead describes the training tier's GPTModel checkpoint (``training.build_model`` at CP=1, one
+rank, the model the upgrade runs of ``training_suite.upgrade_runs`` save and load): the model's
+sharded state dict, the distributed optimizer's (flattened) and the model's state_dict.
 """
 
 from __future__ import annotations
@@ -79,11 +85,61 @@ def _worker(rank, world, modes):
     return out
 
 
+def _describe_nested(sd, prefix=""):
+    """A nested (optimizer) sharded state dict flattened to ``{"a/b/c": description}``:
+    sharded tensors and objects by key / global shape / offset, plain values by type."""
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    out = {}
+    items = sd.items() if isinstance(sd, dict) else enumerate(sd) if isinstance(sd, (list, tuple)) else None
+    if items is None:
+        if isinstance(sd, (ShardedTensor, ShardedObject, ShardedTensorFactory)):
+            out[prefix] = _describe_sharded({"x": sd})["x"]
+        else:
+            out[prefix] = {"type": type(sd).__name__}
+        return out
+    for k, v in items:
+        out.update(_describe_nested(v, f"{prefix}/{k}" if prefix else str(k)))
+    return out
+
+
+def _gpt_worker(rank, world, tree):
+    """The training tier's GPTModel + DDP + distributed optimizer (``training.build_model``, CP=1,
+    the model the upgrade runs checkpoint) and its checkpoint's sharded state dict."""
+    import torch
+
+    import training as T
+    from megatron.core import parallel_state as ps
+
+    spec = T.RunSpec("sd", cp=1, mode="headwise", tree=tree)
+    device = torch.device("cpu")
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
+    try:
+        with T.cuda_literals_on_cpu(device):
+            _, model, optimizer = T.build_model(spec, device)
+            T.workaround_adam_state_before_load(optimizer)  # problem 2: state to describe
+            sd = T._sharded(model, optimizer, 0, False, ps.get_data_parallel_group(
+                with_context_parallel=True))
+        return {"model": _describe_sharded(sd["model"]),
+                "optimizer": _describe_nested(sd["optimizer"]),
+                "state_dict": {k: {"shape": list(v.shape), "dtype": str(v.dtype)}
+                               for k, v in model.module.state_dict().items() if hasattr(v, "shape")}}
+    finally:
+        ps.destroy_model_parallel()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--mode", action="append", default=None)
+    ap.add_argument("--gpt", choices=["base", "patched"],
+                    help="instead of one layer: the training tier's GPTModel checkpoint (CP=1, "
+                         "1 rank) as the tree named here builds it (must be --tree's)")
     args = ap.parse_args(argv)
     tree = str(Path(args.tree).resolve())
     sys.path.insert(0, str(HERE))
@@ -94,6 +150,11 @@ def main(argv=None):
     assert gdn.__file__.startswith(tree + "/"), gdn.__file__
     from _world import run_world
 
+    if args.gpt:
+        results = run_world(_gpt_worker, 1, args.gpt, timeout=300)
+        Path(args.out).write_text(json.dumps({"tree": tree, "gpt": results[0]}, indent=1,
+                                             sort_keys=True))
+        return
     results = run_world(_worker, 4, args.mode or ["default"], timeout=300)
     Path(args.out).write_text(json.dumps({"tree": tree, "ranks": results}, indent=1, sort_keys=True))
 

@@ -80,3 +80,37 @@ def test_gdn_parameters_are_sharded_over_tp_only(tmp_path_factory, mode):
                 peer_parts = peer["parts"] if peer["type"] == "factory" else [peer]
                 assert [p["global_offset"] for p in peer_parts] == [
                     q["global_offset"] for q in parts], (rank, k)
+
+
+def _dump_gpt(tree, name, tmp_path_factory):
+    key = ("gpt", str(tree))
+    if key not in _cache:
+        out = tmp_path_factory.mktemp("sd-gpt") / "dump.json"
+        env = dict(os.environ, PYTHONPATH=str(HERE))
+        cmd = [sys.executable, "-W", "ignore", str(HERE / "sd_dump.py"), "--tree", str(tree),
+               "--gpt", name, "--out", str(out)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        _cache[key] = json.loads(out.read_text())
+    return _cache[key]
+
+
+def test_training_gptmodel_checkpoint_identical_on_base_and_patched(tmp_path_factory):
+    """The upgrade path's precondition (issue 25): the GPTModel the training tier's upgrade runs
+    save and load (``training.build_model``, CP=1, each tree's own GDN construction) has, on the
+    base tree and on the patched tree, the same model sharded state dict (keys, global shapes,
+    offsets, fragmentations, local shapes, replica ids, dtypes), the same distributed-optimizer
+    sharded state dict and the same state_dict: nothing for a loader to map."""
+    need_base_tree()
+    need_fla()
+    base = _dump_gpt(BASE_TREE, "base", tmp_path_factory)
+    patched = _dump_gpt(GDN_TREE, "patched", tmp_path_factory)
+    assert base["tree"] != patched["tree"]
+    b, p = base["gpt"], patched["gpt"]
+    gdn = [k for k in b["model"] if ".self_attention." in k]
+    assert any(k.endswith("self_attention.in_proj.weight") for k in gdn), sorted(b["model"])
+    assert any(k.endswith("self_attention.A_log") for k in gdn), sorted(b["model"])
+    for part in ("model", "optimizer", "state_dict"):
+        assert sorted(p[part]) == sorted(b[part]), (part, sorted(set(p[part]) ^ set(b[part])))
+        diff = [k for k in b[part] if p[part][k] != b[part][k]]
+        assert not diff, (part, diff[:5], [(b[part][k], p[part][k]) for k in diff[:2]])

@@ -5,7 +5,9 @@ by ``fla_emulation``: Megatron's side only; the real kernels run in the GPU job,
 
 The CPU tier of ``training_suite.matrix("cpu")``: CP=1 references (THD, SBHD), CP=4 chunkwise
 THD, CP=2 x DP=2 headwise THD, CP=4 all_gather SBHD, a CP=4 checkpoint resumed under
-CP=2 x DP=2 headwise, a CP=1 checkpoint resumed under CP=4 chunkwise; 4 steps, save at step 2.
+CP=2 x DP=2 headwise, a CP=1 checkpoint resumed under CP=4 chunkwise; the upgrade path
+(``training_suite.upgrade_runs``: a base-tree CP=1 checkpoint resumed by the patched tree at CP=1
+and CP=4 chunkwise, a patched CP=1 checkpoint resumed by the base tree); 4 steps, save at step 2.
 Gated at the frozen gates of ``training_suite.GATES`` (docs/training.md). Results go to
 ``build/training-cpu`` (ignored by git), never to tracked files.
 """
@@ -17,7 +19,7 @@ import json
 import pytest
 import torch
 
-from _image_env import REPO, need_fla, need_tree
+from _image_env import HAVE_BASE_TREE, REPO, need_base_tree, need_fla, need_tree
 
 OUT = REPO / "build" / "training-cpu"
 _cache = {}
@@ -28,12 +30,15 @@ def summary():
         import training_suite as S
 
         runs = S.matrix("cpu")
+        if not HAVE_BASE_TREE:  # the upgrade tests skip, naming the missing tree
+            runs = [r for r in runs if not r["spec"].name.startswith("upgrade/")]
         OUT.mkdir(parents=True, exist_ok=True)
         import tempfile
         from pathlib import Path
 
         with tempfile.TemporaryDirectory(prefix="gdn-training-ckpt-") as work:
             results = S.execute(runs, OUT, Path(work), "cpu", jobs=1, budget=900, log=lambda s: None)
+        _cache["results"] = results
         s = S.summarise(runs, results)
         (OUT / "summary.json").write_text(json.dumps(s, indent=1, sort_keys=True) + "\n")
         (OUT / "summary.md").write_text(S.tables({**s, "tier": "cpu", "device": "cpu"}))
@@ -58,7 +63,7 @@ def test_every_run_trains_and_takes_its_path_in_every_layer():
     (fresh runs), and every GDN layer took the run's mode's path at every step."""
     recs = _of("run")
     assert not _bad(recs), _bad(recs)
-    assert len(recs) == 7
+    assert len(recs) == (12 if HAVE_BASE_TREE else 7)
 
 
 def test_cp_runs_match_the_cp1_reference_at_the_frozen_gates():
@@ -129,3 +134,159 @@ def test_thd_zigzag_split_matches_the_trees_context_parallel_layout(cp):
         mb = T.micro_batch(1, i, "thd")
         seen = torch.cat([T.rank_indices(mb, cp, r) for r in range(cp)])  # asserts tree == ref
         assert torch.equal(seen.sort().values, torch.arange(T.SEQ))
+
+
+UPGRADE_RESUMES = ("upgrade/base-cp1->patched-cp1", "upgrade/base-cp1->patched-cp4-chunkwise",
+                   "upgrade/patched-cp1->base-cp1")
+
+
+def test_upgrade_checkpoints_resume_across_the_base_and_patched_trees():
+    """Issue 25: a base-tree CP=1 checkpoint resumed by the patched tree (CP=1, CP=4 chunkwise),
+    a patched CP=1 checkpoint resumed by the base tree, and the two trees' CP=1 runs from step 0;
+    each at its frozen gate (``upgrade_cpu``: the same stand-in kernels on both trees, measured
+    bit for bit, and so asserted here; ``cp_vs_ref`` for the CP=4 resume)."""
+    need_base_tree()
+    recs = {r["id"]: r for r in _of("upgrade")}
+    assert set(recs) == {
+        "upgrade/base-cp1/ref vs upgrade/patched-cp1/ref",
+        "upgrade/base-cp1->patched-cp1 vs upgrade/base-cp1/ref",
+        "upgrade/base-cp1->patched-cp4-chunkwise vs upgrade/base-cp1/ref",
+        "upgrade/patched-cp1->base-cp1 vs upgrade/patched-cp1/ref"}, sorted(recs)
+    assert not _bad(recs.values()), _bad(recs.values())
+    for rid, r in recs.items():
+        resumed = "->" in rid
+        assert [row["step"] for row in r["rows"]] == ([3, 4] if resumed else [1, 2, 3, 4]), rid
+        assert all(row["valid_tokens"] == row["ref_valid_tokens"] for row in r["rows"]), rid
+        assert sorted(r["trees"]) == ["base", "patched"], rid
+        if "cp4" not in rid:
+            assert r["gate"] == "upgrade_cpu", rid
+            assert r["max_loss_rel"] == 0.0 and r["max_grad_norm_rel"] == 0.0, (rid, r["rows"])
+        else:
+            assert r["gate"] == "cp_vs_ref", rid
+
+
+def test_upgrade_runs_import_the_tree_they_name_and_take_its_path():
+    """Each upgrade run's processes imported its own tree's GDN (never both in one process),
+    and every layer at every step took that tree's path: the base tree through its headwise
+    all-to-alls (identities at CP=1) and without any of the patch's names."""
+    need_base_tree()
+    _of("upgrade")
+    import training as T
+    import training_suite as S
+
+    results = _cache["results"]
+    names = [n for n in results if n.startswith("upgrade/")]
+    assert len(names) == 5, names
+    for n in names:
+        rec = results[n]
+        tree = rec["spec"]["tree"]
+        assert rec["imported"]["megatron"].startswith(str(S.TREE_DIRS[tree]) + "/"), (n, rec["imported"])
+        for p in rec["paths"]:
+            assert p["passed"], (n, p)
+            want = sorted(T.BASE_TREE_LACKS) if tree == "base" else []
+            assert p["tree"]["absent"] == want, (n, p["tree"])
+        if tree == "base":
+            layers = rec["paths"][0]["layers"]
+            assert layers and all(v["passed"] for v in layers.values()), (n, layers)
+    assert sum(results[n]["spec"]["tree"] == "base" for n in names) == 2
+
+
+def test_the_base_tree_meets_the_shared_adam_step_too():
+    """Problem 4 of docs/training.md is base MCore's, not our patch's: the base tree's resume of
+    a patched checkpoint finds the same shared Adam ``step`` tensor holding 1."""
+    need_base_tree()
+    _of("upgrade")
+    for n in UPGRADE_RESUMES:
+        loaded = _cache["results"][n]["loaded"]
+        assert loaded["step"] == 2, (n, loaded)
+        assert loaded["shared_step_tensor"] is True, (n, loaded)
+        assert loaded["step_values_before"] == [1.0], (n, loaded)
+
+
+def test_thd_noempty_is_the_thd_batch_without_its_empty_segment():
+    """The upgrade runs' layout: the same documents, padding and tail as ``thd``, the empty
+    segment left out (FLA 0.4.1's prepare_chunk_indices mis-maps chunks after one)."""
+    need_tree()
+    import training as T
+
+    for step in (1, 3):
+        for i in range(T.MICRO_BATCHES):
+            a, b = T.micro_batch(step, i, "thd"), T.micro_batch(step, i, "thd_noempty")
+            assert 0 not in b.seq_lens()
+            assert [n for n in a.seq_lens() if n] == b.seq_lens()
+            assert [v for v, n in zip(a.valid, a.seq_lens()) if n] == b.valid
+            for f in ("tokens", "labels", "loss_mask", "position_ids"):
+                assert torch.equal(getattr(a, f), getattr(b, f)), f
+    with pytest.raises(ValueError, match="unknown layout"):
+        T.micro_batch(1, 0, "bshd")
+
+
+def test_config_for_the_base_tree_drops_only_what_the_patch_adds():
+    """``config_kwargs_for_tree``: the base tree's config may lack ``linear_cp_mode`` and
+    nothing else; base runs are CP=1; the patched tree must accept every field."""
+    need_tree()
+    import dataclasses
+
+    import training as T
+
+    @dataclasses.dataclass
+    class Old:
+        num_layers: int = 1
+        hidden_size: int = 8
+
+    kw = {"num_layers": 2, "hidden_size": 8, "linear_cp_mode": "chunkwise"}
+    base = T.RunSpec("b", tree="base")
+    assert T.config_kwargs_for_tree(kw, base, Old) == {"num_layers": 2, "hidden_size": 8}
+    with pytest.raises(ValueError, match=r"run b: .*\['ffn_hidden_size'\], which our patch"):
+        T.config_kwargs_for_tree({**kw, "ffn_hidden_size": 3}, base, Old)
+    with pytest.raises(ValueError, match="base-tree runs are CP=1"):
+        T.config_kwargs_for_tree(kw, T.RunSpec("b4", cp=4, tree="base"), Old)
+    with pytest.raises(ValueError, match="patched tree's TransformerConfig lacks"):
+        T.config_kwargs_for_tree(kw, T.RunSpec("p"), Old)
+    with pytest.raises(ValueError, match="unknown tree 'old'"):
+        T.config_kwargs_for_tree(kw, T.RunSpec("x", tree="old"), Old)
+
+
+def test_base_tree_processes_get_the_base_tree_and_fla041_first(tmp_path, monkeypatch):
+    """What tools/gpu-training sets up on the GPU host, on CPU: the environment ``tree_env``
+    gives a base-tree run's process leads with the base tree and ``$GDN_BASE_SITE`` (FLA 0.4.1)
+    and drops the patched tree and ``$GDN_PATCHED_SITE`` (FLA 0.4.2), so that process imports
+    the base tree's megatron and the 0.4.1 FLA, never both FLAs. Stand-in FLA packages that
+    only carry a version prove which site won; ``check_fla_for_tree`` names a mismatch."""
+    need_base_tree()
+    import os
+    import subprocess
+    import sys
+
+    import training as T
+    import training_suite as S
+
+    sites = {}
+    for v in ("0.4.1", "0.4.2"):
+        d = tmp_path / f"fla{v.replace('.', '')}"
+        (d / "fla").mkdir(parents=True)
+        (d / "fla" / "__init__.py").write_text(f"__version__ = {v!r}\n")
+        sites[v] = str(d)
+    monkeypatch.setenv("GDN_BASE_SITE", sites["0.4.1"])
+    monkeypatch.setenv("GDN_PATCHED_SITE", sites["0.4.2"])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(S.TREE_DIRS["patched"]), sites["0.4.2"], "/elsewhere"]))
+    probe = ("import fla, megatron.core.ssm as m, os; "
+             "print(fla.__version__); print(os.path.realpath(m.__file__))")
+    for tree, fla_v in (("base", "0.4.1"), ("patched", "0.4.2")):
+        env = S.tree_env(tree)
+        parts = env["PYTHONPATH"].split(os.pathsep)
+        assert parts[:2] == [str(S.TREE_DIRS[tree]), sites[fla_v]], parts
+        assert parts[2:] == ["/elsewhere"], parts
+        assert env["GDN_TREE"] == str(S.TREE_DIRS[tree])
+        got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=120, cwd=str(tmp_path))
+        assert got.returncode == 0, got.stderr[-2000:]
+        version, path = got.stdout.split()
+        assert version == fla_v and path.startswith(str(S.TREE_DIRS[tree]) + "/"), (tree, got.stdout)
+    import types
+
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.4.2"))
+    with pytest.raises(RuntimeError, match=r"run b \(tree base\) needs FLA 0.4.1, imports 0.4.2"):
+        S.check_fla_for_tree(T.RunSpec("b", tree="base"))
+    assert S.check_fla_for_tree(T.RunSpec("p")) == "0.4.2"

@@ -60,12 +60,22 @@ GEOMETRIES = {
 }
 
 
+TREES = ("patched", "base")
+# SPIED names the base tree does not have (it has the headwise all-to-alls only): a base-tree
+# run proves which tree it imported by their absence, a patched run by their presence
+BASE_TREE_LACKS = frozenset(q for k, names in H.SPIED.items() if k != "headwise" for q in names)
+# TransformerConfig fields of the patched tree the base tree's config does not accept
+PATCH_ONLY_CONFIG_FIELDS = frozenset({"linear_cp_mode"})
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One training run. ``world = tp * cp * dp``; ``steps`` counts from step 1 (or from the
     checkpoint's step when ``load`` is given). ``save_at``: save after that step into
     ``<ckpt_root>/<save_name>``. ``order``: ``"forward"`` or ``"reversed"`` micro-batch order
-    within a rank's accumulation (equivalent runs, used to derive the gates)."""
+    within a rank's accumulation (equivalent runs, used to derive the gates). ``tree``: which
+    tree's ``megatron`` package the run's processes import (:data:`TREES`); the runner starts a
+    base-tree run in processes of their own with that tree first on ``sys.path``."""
 
     name: str
     cp: int = 1
@@ -81,6 +91,9 @@ class RunSpec:
     save_name: Optional[str] = None
     load: Optional[str] = None
     order: str = "forward"
+    # which tree's ``megatron`` the run's processes import: "patched" (build/tree/patched) or
+    # "base" (build/tree/base: the old image's GDN, no CP modes; CP=1 runs here)
+    tree: str = "patched"
 
     @property
     def world(self) -> int:
@@ -117,7 +130,15 @@ def _stream(gen, n: int) -> torch.Tensor:
 
 
 def micro_batch(step: int, index: int, layout: str) -> MicroBatch:
-    """The ``index``-th global micro-batch of ``step`` (1-based), deterministic."""
+    """The ``index``-th global micro-batch of ``step`` (1-based), deterministic.
+
+    ``layout``: ``"sbhd"`` (one stream), ``"thd"`` (three documents, an empty segment between
+    the first two, a padding tail) or ``"thd_noempty"`` (the same documents and tail without
+    the empty segment: the base tree passes ``cu_seqlens`` to FLA as given, and FLA 0.4.1's
+    ``prepare_chunk_indices`` maps every chunk after an empty segment to the wrong sequence;
+    the upgrade runs use it, docs/training.md)."""
+    if layout not in ("sbhd", "thd", "thd_noempty"):
+        raise ValueError(f"micro_batch: unknown layout {layout!r} (sbhd, thd, thd_noempty)")
     gen = torch.Generator().manual_seed(1_000 * step + index)
     tokens = torch.zeros(SEQ, dtype=torch.long)
     labels = torch.zeros(SEQ, dtype=torch.long)
@@ -134,6 +155,8 @@ def micro_batch(step: int, index: int, layout: str) -> MicroBatch:
     # segments: doc0, an empty segment, doc1, doc2, the padding tail
     seg_valid = [lens[0], 0, lens[1], lens[2], 0]
     seg_len = [padded[0], 0, padded[1], padded[2], SEQ - sum(padded)]
+    if layout == "thd_noempty":
+        del seg_valid[1], seg_len[1]
     assert seg_len[-1] > 0, "the padding tail must not be empty"
     cu = [0]
     for n in seg_len:
@@ -149,14 +172,21 @@ def micro_batch(step: int, index: int, layout: str) -> MicroBatch:
     return MicroBatch(tokens, labels, mask, pos, cu, seg_valid)
 
 
-def rank_indices(mb: MicroBatch, cp: int, cp_rank: int) -> torch.Tensor:
+def rank_indices(mb: MicroBatch, cp: int, cp_rank: int, tree: str = "patched") -> torch.Tensor:
     """This CP rank's zigzag token indices, from the tree's ``context_parallel_layout``
-    (THD), checked against the independent definition of ``cp_layout_ref``.
+    (THD), checked against the independent definition of ``cp_layout_ref``. The base tree has
+    no ``context_parallel_layout`` (our patch adds it): there, at CP=1 only, the independent
+    definition alone (the identity).
 
     Raises:
         AssertionError: the tree's indices disagree with the independent ones.
+        ValueError: a base-tree run at CP>1 (nothing of the tree to check the split against).
     """
     ref = torch.tensor(zigzag_rank_indices(mb.seq_lens(), cp, cp_rank), dtype=torch.long)
+    if tree == "base":
+        if cp != 1:
+            raise ValueError(f"rank_indices: base-tree runs are CP=1 here, got CP={cp}")
+        return ref
     if mb.cu_padded is not None:
         from megatron.core.context_parallel_layout import get_thd_context_parallel_rank_indices
 
@@ -223,7 +253,37 @@ def make_config(spec: RunSpec, device):
     )
     if spec.recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(**kw)
+    return TransformerConfig(**config_kwargs_for_tree(kw, spec, TransformerConfig))
+
+
+def config_kwargs_for_tree(kw: dict, spec: RunSpec, config_cls) -> dict:
+    """``kw`` restricted to what the imported tree's ``TransformerConfig`` accepts.
+
+    The patched tree must accept every field; the base tree may lack exactly the fields our
+    patch adds (:data:`PATCH_ONLY_CONFIG_FIELDS`, i.e. ``linear_cp_mode``: it has no CP modes,
+    its GDN is headwise). A base-tree run asks for CP=1 (its only CP run here) and a base-tree
+    config never silently loses any other field.
+
+    Raises:
+        ValueError: ``spec.tree`` unknown; a base-tree run at CP>1; a field missing from the
+            tree's config that the patch does not add (names the fields and the run).
+    """
+    import dataclasses
+
+    if spec.tree not in TREES:
+        raise ValueError(f"run {spec.name}: unknown tree {spec.tree!r} (one of {TREES})")
+    accepted = {f.name for f in dataclasses.fields(config_cls)}
+    missing = sorted(k for k in kw if k not in accepted)
+    if spec.tree == "patched" and missing:
+        raise ValueError(f"run {spec.name}: the patched tree's TransformerConfig lacks {missing}")
+    if spec.tree == "base":
+        if spec.cp != 1:
+            raise ValueError(f"run {spec.name}: base-tree runs are CP=1 here (got CP={spec.cp})")
+        unexpected = [k for k in missing if k not in PATCH_ONLY_CONFIG_FIELDS]
+        if unexpected:
+            raise ValueError(f"run {spec.name}: the base tree's TransformerConfig lacks "
+                             f"{unexpected}, which our patch does not add")
+    return {k: v for k, v in kw.items() if k in accepted}
 
 
 def layer_spec():
@@ -528,7 +588,7 @@ def check_model_paths(spies, spec: RunSpec, mb: MicroBatch) -> dict:
     """Every GDN layer took ``spec.mode``'s path (``gdn_harness.expected_path``)."""
     geom = GEOMETRIES[spec.geometry]
     case = H.Case("train", SEQ, mb.cu_padded, mb.valid) if mb.cu_padded else H.Case("train", SEQ)
-    expect = H.expected_path(spec.mode, spec.cp, geom, case)
+    expect = expected_tree_path(spec, geom, case)
     if spec.tp > 1 and expect["heads"] == geom.v_heads:
         expect = {**expect, "heads": geom.v_heads // spec.tp}
     elif spec.tp > 1:
@@ -536,8 +596,56 @@ def check_model_paths(spies, spec: RunSpec, mb: MicroBatch) -> dict:
     per_layer = {str(n): H.check_path(s, expect) for n, s in sorted(spies.items())}
     for rec in per_layer.values():
         rec.pop("seen", None)
-    return {"passed": bool(per_layer) and all(r["passed"] for r in per_layer.values()),
-            "layers": per_layer}
+    tree = check_tree_names(spies, spec)
+    return {"passed": bool(per_layer) and all(r["passed"] for r in per_layer.values())
+            and tree["passed"], "layers": per_layer, "tree": tree}
+
+
+def expected_tree_path(spec: RunSpec, geom, case) -> dict:
+    """``gdn_harness.expected_path`` of ``spec.mode`` for the patched tree. The base tree's GDN
+    has one path: every forward goes through its headwise all-to-alls
+    (``tensor_a2a_cp2hp``/``hp2cp``: identities at CP=1), the scan and conv see the whole
+    sequence with all value heads over CP and no ``cp_context``; the patch's other names do not
+    exist there (:func:`check_tree_names`)."""
+    if spec.tree != "base":
+        return H.expected_path(spec.mode, spec.cp, geom, case)
+    called = {q: q in H.SPIED["headwise"] for names in H.SPIED.values() for q in names}
+    return {"called": called, "cp_context": False, "tokens": case.length,
+            "heads": geom.v_heads // spec.cp}
+
+
+def check_tree_names(spies, spec: RunSpec) -> dict:
+    """The path proof's tree half: the spied names absent from the imported tree are exactly
+    :data:`BASE_TREE_LACKS` for a base-tree run (its GDN has only the headwise all-to-alls) and
+    none for a patched run. ``{"passed", "absent", "problems"}``."""
+    counts = next(iter(spies.values())).counts if spies else {}
+    absent = sorted(q for q, n in counts.items() if n == -1)
+    want = sorted(BASE_TREE_LACKS) if spec.tree == "base" else []
+    problems = [] if absent == want else [
+        f"{spec.tree} tree: spied names absent {absent}, expected {want}"]
+    return {"passed": not problems, "absent": absent, "problems": problems}
+
+
+def imported_tree(spec: RunSpec, tree_dir: Optional[str]) -> dict:
+    """Which ``megatron`` and FLA this process imported: ``{"megatron", "fla", "fla_file"}``.
+
+    Raises:
+        RuntimeError: ``tree_dir`` given and the GDN module is not under it (a run of one tree
+            that imported the other: the runner's ``sys.path`` is wrong), naming both.
+    """
+    import megatron.core.ssm.gated_delta_net as gdn
+
+    path = os.path.realpath(gdn.__file__)
+    if tree_dir is not None and not path.startswith(os.path.realpath(tree_dir) + os.sep):
+        raise RuntimeError(f"run {spec.name} (tree {spec.tree}) imported {path}, not from {tree_dir}")
+    info = {"megatron": path, "fla": None, "fla_file": None}
+    try:
+        import fla
+
+        info["fla"], info["fla_file"] = getattr(fla, "__version__", None), fla.__file__
+    except Exception as exc:  # noqa: BLE001 - recorded (CPU: emulated anyway)
+        info["fla"] = f"unavailable: {exc!r}"[:300]
+    return info
 
 
 # --------------------------------------------------------------------------------------
@@ -599,13 +707,15 @@ def _bcast_float(x: float, device) -> float:
     return float(t)
 
 
-def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate: bool) -> dict:
+def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate: bool,
+          tree_dir: Optional[str] = None) -> dict:
     """Run ``spec`` on this rank (process group of ``spec.world`` ranks initialised).
 
     Returns (every rank; rank 0's is the run's) ``{"spec", "steps": [{"step", "loss",
     "grad_norm", "valid_tokens", "finite"}], "paths": [per-step check_model_paths],
     "layout_checked", "workarounds", "loaded"}``. ``loss`` is the step's global mean token loss
-    before the update; ``grad_norm`` the optimizer's (global, before clipping)."""
+    before the update; ``grad_norm`` the optimizer's (global, before clipping). ``tree_dir``:
+    the tree ``spec.tree`` names; the GDN module must come from it (``imported_tree``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
@@ -621,7 +731,8 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    out = {"spec": asdict(spec), "steps": [], "paths": [], "workarounds": {}, "loaded": None}
+    out = {"spec": asdict(spec), "steps": [], "paths": [], "workarounds": {}, "loaded": None,
+           "imported": imported_tree(spec, tree_dir)}
     try:
         with stack:
             stack.enter_context(cuda_literals_on_cpu(device))
@@ -650,7 +761,7 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
                 with spy_model_paths(model.module) as spies:
                     for j, i in enumerate(idxs):
                         mb = micro_batch(step, i, spec.layout)
-                        idx = rank_indices(mb, spec.cp, cp_rank)
+                        idx = rank_indices(mb, spec.cp, cp_rank, spec.tree)
                         psp = packed_seq_params(mb, device)
                         with model.no_sync() if j < len(idxs) - 1 else contextlib.nullcontext():
                             per_tok = model(mb.tokens[idx][None].to(device),

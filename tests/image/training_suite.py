@@ -49,6 +49,18 @@ for _p in (str(HERE), str(TREE)):
         sys.path.remove(_p)
     sys.path.insert(0, _p)
 os.environ["GDN_TREE"] = str(TREE)
+# The two trees a run can import (RunSpec.tree). This process imports TREE; a run of the other
+# tree runs in processes of their own (tree_env). GDN_PATCHED_TREE is kept for them.
+TREE_DIRS = {
+    "patched": Path(os.environ.get("GDN_PATCHED_TREE") or TREE).resolve(),
+    "base": Path(os.environ.get("GDN_BASE_TREE", HERE.parents[1] / "build" / "tree" / "base")).resolve(),
+}
+os.environ["GDN_PATCHED_TREE"] = str(TREE_DIRS["patched"])
+os.environ["GDN_BASE_TREE"] = str(TREE_DIRS["base"])
+# FLA per tree on a GPU host (tools/gpu-training): 0.4.2 for the patched tree, 0.4.1 (the old
+# image's) for the base tree, each in its own pip --target directory; one process never has both
+SITE_ENV = {"patched": "GDN_PATCHED_SITE", "base": "GDN_BASE_SITE"}
+FLA_FOR_TREE = {"patched": "0.4.2", "base": "0.4.1"}
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # keep torch.compile'd helpers eager
 
 import training as T  # noqa: E402
@@ -68,6 +80,22 @@ GATES = {
     # a resume in the same topology against the uninterrupted run: the same state, the same kernels
     "resume_same": [{"upto": 30, "loss_rel": 1e-6, "grad_norm_rel": 1e-5}],
 }
+# The upgrade path (issue 25: base tree <-> patched tree), frozen 2026-12-03 before any GPU
+# run of it (docs/training.md, "The upgrade path"). Named by the third element of a compare.
+GATES.update({
+    # CPU stand-ins: both trees run the same stand-in kernels at CP=1; measured bit for bit
+    # (the resume_same gate)
+    "upgrade_cpu": GATES["resume_same"],
+    # GPU: FLA 0.4.1 (base) and 0.4.2 (patched) are other kernels for the same math (another
+    # rounding order): the CP-vs-reference early bands, and late bands 3x the widest spread
+    # the GPU's equivalent CP=1 configurations showed (the "next run" bands of the first job)
+    "upgrade_gpu": [
+        {"upto": 1, "loss_rel": 1e-5, "grad_norm_rel": 1e-4},
+        {"upto": 5, "loss_rel": 1e-4, "grad_norm_rel": 1e-2},
+        {"upto": 10, "loss_rel": 1e-2, "grad_norm_rel": 1.5},
+        {"upto": 30, "loss_rel": 0.1, "grad_norm_rel": 45.0},
+    ],
+})
 
 TIERS = {"cpu": {"steps": 4, "save_at": 2}, "full": {"steps": 30, "save_at": 20}}
 
@@ -98,7 +126,7 @@ def matrix(tier: str) -> List[dict]:
             ("resume", "cp4/thd/chunkwise"))
         add(R("resume/cp1->cp4-chunkwise", cp=4, steps=steps - save_at, load="cp1-thd"),
             ("resume", "cp1/thd/ref"))
-        return runs
+        return runs + upgrade_runs(tier)
 
     for geom in T.GEOMETRIES:
         g = "" if geom == "legal" else f"{geom}/"
@@ -131,7 +159,46 @@ def matrix(tier: str) -> List[dict]:
         add(R(f"resume/cp4-chunkwise->{name}", steps=rest, load="cp4-thd-chunkwise", **kw),
             ("resume", "cp4/thd/chunkwise"))
     add(R("resume/cp1->cp4-chunkwise", cp=4, steps=rest, load="cp1-thd"), ("resume", "cp1/thd/ref"))
-    return runs
+    return runs + upgrade_runs(tier)
+
+
+def upgrade_runs(tier: str) -> List[dict]:
+    """Issue 25's upgrade path: checkpoints of the base tree (the old image's GDN) resumed by
+    the patched tree, and the reverse; compares ``("upgrade", reference, gate name)``.
+
+    * ``upgrade/base-cp1/ref`` (base tree, CP=1: its GDN has no CP modes) saves at ``save_at``;
+      against ``upgrade/patched-cp1/ref`` from step 0 (the same weights and data on both trees);
+    * resumed by the patched tree at CP=1 (the same topology) and at CP=4 chunkwise, each
+      against the base tree's uninterrupted run;
+    * ``upgrade/patched-cp1/ref`` saves; resumed by the base tree at CP=1, against the patched
+      tree's uninterrupted run.
+
+    Layout ``thd_noempty`` (THD without the empty segment): the base tree hands ``cu_seqlens``
+    to FLA as given, and FLA 0.4.1's ``prepare_chunk_indices`` maps every chunk after an empty
+    segment to the wrong sequence (docs/training.md). Gates: ``upgrade_cpu`` / ``upgrade_gpu``
+    for the same topology on the other tree; the CP=4 resume is another topology as well:
+    ``cp_vs_ref`` on CPU, ``upgrade_gpu`` (the wider of the two) on the GPU."""
+    steps, save_at = TIERS[tier]["steps"], TIERS[tier]["save_at"]
+    rest = steps - save_at
+    R = T.RunSpec
+    lay = "thd_noempty"
+    same = "upgrade_cpu" if tier == "cpu" else "upgrade_gpu"
+    other = "cp_vs_ref" if tier == "cpu" else "upgrade_gpu"
+    base_ref, patched_ref = "upgrade/base-cp1/ref", "upgrade/patched-cp1/ref"
+    return [
+        {"spec": R(patched_ref, cp=1, layout=lay, steps=steps, save_at=save_at,
+                   save_name="upgrade-patched-cp1"), "compare": []},
+        {"spec": R(base_ref, cp=1, mode="headwise", layout=lay, steps=steps, save_at=save_at,
+                   save_name="upgrade-base-cp1", tree="base"),
+         "compare": [("upgrade", patched_ref, same)]},
+        {"spec": R("upgrade/base-cp1->patched-cp1", cp=1, layout=lay, steps=rest,
+                   load="upgrade-base-cp1"), "compare": [("upgrade", base_ref, same)]},
+        {"spec": R("upgrade/base-cp1->patched-cp4-chunkwise", cp=4, mode="chunkwise", layout=lay,
+                   steps=rest, load="upgrade-base-cp1"), "compare": [("upgrade", base_ref, other)]},
+        {"spec": R("upgrade/patched-cp1->base-cp1", cp=1, mode="headwise", layout=lay, steps=rest,
+                   load="upgrade-patched-cp1", tree="base"),
+         "compare": [("upgrade", patched_ref, same)]},
+    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -139,21 +206,63 @@ def matrix(tier: str) -> List[dict]:
 # --------------------------------------------------------------------------------------
 
 
-def _worker(rank, world, spec, ckpt_root, device_kind):
+def _worker(rank, world, spec, ckpt_root, device_kind, tree_dir=None):
     import torch
 
     if device_kind == "cuda":
         dev = rank % torch.cuda.device_count()
         torch.cuda.set_device(dev)
-        import fla_gloo
+        check_fla_for_tree(spec)
         from gpu.autotune_policy import install
 
         install()
-        fla_gloo.install()
+        if spec.tree == "patched":  # FLA 0.4.1 (base tree) has no fla.ops.cp to route
+            import fla_gloo
+
+            fla_gloo.install()
         device = torch.device("cuda", dev)
     else:
         device = torch.device("cpu")
-    return T.train(rank, world, spec, device, ckpt_root, emulate=device_kind == "cpu")
+    return T.train(rank, world, spec, device, ckpt_root, emulate=device_kind == "cpu",
+                   tree_dir=tree_dir)
+
+
+def check_fla_for_tree(spec: T.RunSpec) -> str:
+    """GPU runs only: the FLA this process imports is the one of ``spec.tree``
+    (:data:`FLA_FOR_TREE`). Returns its version.
+
+    Raises:
+        RuntimeError: another FLA version (or none), naming the run, the site variable and
+            the wheels tools/gpu-training installs there.
+    """
+    want = FLA_FOR_TREE[spec.tree]
+    try:
+        import fla
+
+        got = getattr(fla, "__version__", "?")
+    except Exception as exc:  # noqa: BLE001
+        got = f"none ({exc!r})"[:200]
+    if got != want:
+        raise RuntimeError(
+            f"run {spec.name} (tree {spec.tree}) needs FLA {want}, imports {got}; "
+            f"${SITE_ENV[spec.tree]}={os.environ.get(SITE_ENV[spec.tree])!r} (tools/gpu-training "
+            f"installs .whl/fla{want.replace('.', '')} there)")
+    return got
+
+
+def tree_env(tree: str) -> dict:
+    """The environment of a run's process for ``tree``: ``GDN_TREE`` and ``sys.path`` (through
+    ``PYTHONPATH``) lead with that tree and its FLA site (``$GDN_BASE_SITE`` /
+    ``$GDN_PATCHED_SITE`` when set); the other tree and the other site are removed."""
+    env = dict(os.environ)
+    mine = [str(TREE_DIRS[tree])] + ([env[SITE_ENV[tree]]] if env.get(SITE_ENV[tree]) else [])
+    drop = {os.path.realpath(p) for p in [str(d) for d in TREE_DIRS.values()]
+            + [env[v] for v in SITE_ENV.values() if env.get(v)]}
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+            if p and os.path.realpath(p) not in drop]
+    env["PYTHONPATH"] = os.pathsep.join(mine + rest)
+    env["GDN_TREE"] = str(TREE_DIRS[tree])
+    return env
 
 
 def run_one(spec: T.RunSpec, out: Path, work: Path, device_kind: str, timeout: float) -> dict:
@@ -161,7 +270,11 @@ def run_one(spec: T.RunSpec, out: Path, work: Path, device_kind: str, timeout: f
 
     t0 = time.time()
     try:
-        res = run_world(_worker, spec.world, spec, str(work), device_kind, timeout=timeout)
+        if TREE_DIRS[spec.tree] != TREE:
+            raise RuntimeError(f"run {spec.name} needs the {spec.tree} tree {TREE_DIRS[spec.tree]}; "
+                               f"this process imports {TREE} (start it through execute / tree_env)")
+        res = run_world(_worker, spec.world, spec, str(work), device_kind,
+                        str(TREE_DIRS[spec.tree]), timeout=timeout)
         rec = {**res[0], "error": None}
         # every rank saw the same global figures
         rec["ranks_agree"] = all(r["steps"] == res[0]["steps"] for r in res)
@@ -233,13 +346,16 @@ def execute(runs: List[dict], out: Path, work: Path, device_kind: str, jobs: int
                 continue
             log(f"{time.time() - t0:7.1f}s start {spec.name} (world {spec.world})")
             _run_path(out, spec.name).unlink(missing_ok=True)
-            if jobs == 1:  # in this process (its world is still new processes)
+            own_tree = TREE_DIRS[spec.tree] == TREE
+            if jobs == 1 and own_tree:  # in this process (its world is still new processes)
                 results[spec.name] = run_one(spec, out, work, device_kind, left)
                 continue
+            # the other tree's runs always start from a process of their own (its sys.path)
             procs[spec.name] = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "one", "--out", str(out),
                  "--work", str(work), "--device", device_kind, "--timeout", str(int(left)),
-                 "--spec", json.dumps(T.asdict(spec))])
+                 "--spec", json.dumps(T.asdict(spec))],
+                env=None if own_tree else tree_env(spec.tree))
         for name, p in list(procs.items()):
             if p.poll() is None:
                 continue
@@ -292,7 +408,7 @@ def summarise(runs: List[dict], results: Dict[str, dict]) -> dict:
             own["passed"] = False
             own["problem"] = "the loss did not fall"
         comps.append(own)
-        for kind, ref_name, *_ in r["compare"]:
+        for kind, ref_name, *extra in r["compare"]:
             ref = results.get(ref_name)
             rec = {"id": f"{name} vs {ref_name}", "kind": kind}
             if not ref or ref.get("error") or res.get("error") or not res["steps"]:
@@ -310,6 +426,9 @@ def summarise(runs: List[dict], results: Dict[str, dict]) -> dict:
                 rec.update(passed=c["passed"], max_loss_rel=c["max_loss_rel"],
                            max_grad_norm_rel=c["max_grad_norm_rel"], problems=c["problems"],
                            by_band=_by_band(c["rows"], GATES["cp_vs_ref"], 0))
+            elif kind == "upgrade":
+                rec.update(upgrade_comparison(r["spec"], extra[0], res, ref, runs))
+                c = {"rows": rec.pop("_rows")}
             else:  # resume
                 src = T.RunSpec(**ref["spec"])
                 me = r["spec"]
@@ -330,6 +449,33 @@ def summarise(runs: List[dict], results: Dict[str, dict]) -> dict:
     return {"passed": not failed, "failed": failed, "gates": GATES, "comparisons": comps}
 
 
+def upgrade_comparison(me: T.RunSpec, gate: str, res: dict, ref: dict, runs: List[dict]) -> dict:
+    """One ``("upgrade", reference, gate)`` comparison: ``res`` against ``ref`` at
+    ``GATES[gate]``, counted from the common state (step 0, or the checkpoint a resume loaded:
+    its save run's ``save_at``, which the resume must report). Both runs must have imported the
+    tree their spec names (``imported.megatron`` under ``TREE_DIRS``)."""
+    start, probs = 0, []
+    if me.load:
+        saver = next(x["spec"] for x in runs if x["spec"].save_name == me.load)
+        start = saver.save_at
+        loaded = res.get("loaded") or {}
+        if loaded.get("step") != start:
+            probs.append(f"resumed from step {loaded.get('step')}, saved at {start}")
+    bands = GATES[gate]
+    c = T.compare_runs(res, ref, bands, start=start)
+    probs = list(c["problems"]) + probs
+    for who, rec in (("run", res), ("reference", ref)):
+        tree = rec["spec"].get("tree", "patched")
+        got = (rec.get("imported") or {}).get("megatron", "")
+        if not got.startswith(os.path.realpath(TREE_DIRS[tree]) + os.sep):
+            probs.append(f"{who} {rec['spec']['name']} (tree {tree}) imported {got or 'nothing'}")
+    return {"passed": not probs, "gate": gate, "trees": [me.tree, ref["spec"].get("tree", "patched")],
+            "max_loss_rel": c["max_loss_rel"], "max_grad_norm_rel": c["max_grad_norm_rel"],
+            "problems": probs, "_rows": c["rows"],
+            # per band of the CP-vs-reference gates, as the other tables (the gate is ``gate``)
+            "by_band": _by_band(c["rows"], GATES["cp_vs_ref"], start)}
+
+
 def tables(summary: dict) -> str:
     """Markdown: runs vs their CP=1 reference (and the CP=1 spread), resumes vs the
     uninterrupted run; worst relative loss / grad-norm difference per gate band."""
@@ -346,7 +492,9 @@ def tables(summary: dict) -> str:
            "state (gates: docs/training.md).\n"]
     for title, kinds in (("Runs vs CP=1 reference", ("cp_vs_ref",)),
                          ("Equivalent CP=1 configurations (the gates' basis, not gated)", ("spread",)),
-                         ("Resumes vs the uninterrupted run", ("resume",))):
+                         ("Resumes vs the uninterrupted run", ("resume",)),
+                         ("Upgrade path: base tree <-> patched tree (gates upgrade_cpu / upgrade_gpu)",
+                          ("upgrade",))):
         rows = [c for c in summary["comparisons"] if c["kind"] in kinds]
         if not rows:
             continue
@@ -379,7 +527,7 @@ def plot(out: Path) -> List[str]:
     written = []
     (out / "plots").mkdir(exist_ok=True)
     for c in summary["comparisons"]:
-        if c["kind"] not in ("cp_vs_ref", "resume", "spread") or not c.get("rows"):
+        if c["kind"] not in ("cp_vs_ref", "resume", "spread", "upgrade") or not c.get("rows"):
             continue
         rows = c["rows"]
         x = [r["step"] for r in rows]
