@@ -129,3 +129,22 @@ def test_thd_zigzag_split_matches_the_trees_context_parallel_layout(cp):
         mb = T.micro_batch(1, i, "thd")
         seen = torch.cat([T.rank_indices(mb, cp, r) for r in range(cp)])  # asserts tree == ref
         assert torch.equal(seen.sort().values, torch.arange(T.SEQ))
+
+
+def test_the_gates_in_force_are_the_ones_frozen_for_the_next_run():
+    """``GATES`` holds the second set (docs/training.md, frozen before the second GPU run), the
+    first run's set stays as ``GATES_RUN1``; a resume in another topology uses the very bands
+    of the CP-vs-reference comparison, in both sets."""
+    need_tree()
+    import training_suite as S
+
+    def rows(g):
+        return [(b["upto"], b["loss_rel"], b["grad_norm_rel"]) for b in g]
+
+    assert rows(S.GATES["cp_vs_ref"]) == [(1, 1e-5, 1e-4), (5, 1e-4, 1e-2), (10, 1e-2, 1.5),
+                                          (30, 0.1, 45.0)]
+    assert rows(S.GATES_RUN1["cp_vs_ref"]) == [(1, 1e-5, 1e-4), (5, 1e-4, 1e-2), (10, 5e-3, 0.5),
+                                               (30, 0.1, 10.0)]
+    for g in (S.GATES, S.GATES_RUN1):
+        assert g["resume_other"] is g["cp_vs_ref"]
+        assert rows(g["resume_same"]) == [(30, 1e-6, 1e-5)]

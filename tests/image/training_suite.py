@@ -14,7 +14,8 @@ runs the real FLA kernels with every rank on the host's GPUs (gloo, FLA's CP all
 
 * ``runs/<name>.json``: the run's per-step table (loss, grad norm, valid tokens, finiteness,
   per-layer path checks), its spec, the workarounds it needed, elapsed seconds;
-* ``summary.json``: every comparison at the frozen gates of ``GATES`` (docs/training.md):
+* ``summary.json``: every comparison at the frozen gates of ``GATES`` (docs/training.md; the
+  first GPU run's are ``GATES_RUN1``):
   runs vs their CP=1 reference, resumes vs the uninterrupted run, the CP=1 spread the gates
   were derived from, expected errors; ``passed`` overall;
 * ``summary.md``: the tables of runs vs CP=1 and resumes vs the uninterrupted run;
@@ -53,21 +54,42 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # keep torch.compile'd helper
 
 import training as T  # noqa: E402
 
-# Frozen before any CP>1 result was looked at: docs/training.md says how they were derived.
-# Bands by k = steps since the last common state (step 0, or the checkpoint a resume loaded):
-# a relative per-step gate on the loss and on the grad norm.
-GATES = {
-    # a CP>1 run against its CP=1 reference; a resume in another topology against the
-    # uninterrupted run
+# The first GPU run's gates (2026-12-02, results/training/): frozen before any CP>1 result was
+# looked at, derived from the CPU's spread between equivalent CP=1 configurations
+# (docs/training.md). Kept for the record: that run was judged by them (78 of 81 passed).
+GATES_RUN1 = {
     "cp_vs_ref": [
         {"upto": 1, "loss_rel": 1e-5, "grad_norm_rel": 1e-4},
         {"upto": 5, "loss_rel": 1e-4, "grad_norm_rel": 1e-2},
         {"upto": 10, "loss_rel": 5e-3, "grad_norm_rel": 0.5},
         {"upto": 30, "loss_rel": 0.1, "grad_norm_rel": 10.0},
     ],
-    # a resume in the same topology against the uninterrupted run: the same state, the same kernels
     "resume_same": [{"upto": 30, "loss_rel": 1e-6, "grad_norm_rel": 1e-5}],
 }
+
+# In force from the second GPU run on, frozen (docs/training.md, "the gates for the next one")
+# before that run: the early bands unchanged, the late bands 3x the widest spread the first
+# GPU run's equivalent CP=1 configurations showed. Bands by k = steps since the last common
+# state (step 0, or the checkpoint a resume loaded): a relative per-step gate on the loss and
+# on the grad norm.
+GATES = {
+    # a CP>1 run against its CP=1 reference
+    "cp_vs_ref": [
+        {"upto": 1, "loss_rel": 1e-5, "grad_norm_rel": 1e-4},
+        {"upto": 5, "loss_rel": 1e-4, "grad_norm_rel": 1e-2},
+        {"upto": 10, "loss_rel": 1e-2, "grad_norm_rel": 1.5},
+        {"upto": 30, "loss_rel": 0.1, "grad_norm_rel": 45.0},
+    ],
+    # a resume in the same topology against the uninterrupted run: the same state, the same
+    # kernels (unchanged from the first run)
+    "resume_same": [{"upto": 30, "loss_rel": 1e-6, "grad_norm_rel": 1e-5}],
+}
+# a resume in another topology against the uninterrupted run: a CP run from a common state, so
+# the CP-vs-reference bands (k counted from the resumed step), as in the first run; the same
+# list object, so the two can never drift apart
+GATES["resume_other"] = GATES["cp_vs_ref"]
+GATES_RUN1["resume_other"] = GATES_RUN1["cp_vs_ref"]
+GATES_IN_FORCE = "run2: frozen in docs/training.md before the second GPU run"
 
 TIERS = {"cpu": {"steps": 4, "save_at": 2}, "full": {"steps": 30, "save_at": 20}}
 
@@ -314,7 +336,7 @@ def summarise(runs: List[dict], results: Dict[str, dict]) -> dict:
                 src = T.RunSpec(**ref["spec"])
                 me = r["spec"]
                 same = (src.cp, src.dp, src.mode, src.layout) == (me.cp, me.dp, me.mode, me.layout)
-                bands = GATES["resume_same" if same else "cp_vs_ref"]
+                bands = GATES["resume_same" if same else "resume_other"]
                 c = T.compare_runs(res, ref, bands, start=src.save_at)
                 probs = list(c["problems"])
                 loaded = res.get("loaded") or {}
@@ -327,7 +349,8 @@ def summarise(runs: List[dict], results: Dict[str, dict]) -> dict:
             comps.append(rec)
     comps.extend(expected_errors())
     failed = [c["id"] for c in comps if not c["passed"]]
-    return {"passed": not failed, "failed": failed, "gates": GATES, "comparisons": comps}
+    return {"passed": not failed, "failed": failed, "gates": GATES,
+            "gates_in_force": GATES_IN_FORCE, "comparisons": comps}
 
 
 def tables(summary: dict) -> str:
@@ -343,7 +366,8 @@ def tables(summary: dict) -> str:
     out = [f"# Training tier summary ({summary.get('tier')}, {summary.get('device')}): "
            f"{'passed' if summary['passed'] else 'FAILED: ' + ', '.join(summary['failed'])}\n",
            "Worst relative difference loss / grad norm per band of k = steps since the common "
-           "state (gates: docs/training.md).\n"]
+           "state (gates: docs/training.md; in force: "
+           f"{summary.get('gates_in_force', GATES_IN_FORCE)}).\n"]
     for title, kinds in (("Runs vs CP=1 reference", ("cp_vs_ref",)),
                          ("Equivalent CP=1 configurations (the gates' basis, not gated)", ("spread",)),
                          ("Resumes vs the uninterrupted run", ("resume",))):
