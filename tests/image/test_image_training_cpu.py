@@ -148,3 +148,29 @@ def test_the_gates_in_force_are_the_ones_frozen_for_the_next_run():
     for g in (S.GATES, S.GATES_RUN1):
         assert g["resume_other"] is g["cp_vs_ref"]
         assert rows(g["resume_same"]) == [(30, 1e-6, 1e-5)]
+
+
+def test_pack_writes_one_deterministic_archive_of_runs_and_plots(tmp_path):
+    """``training_suite.pack``: runs/ and plots/ in one .tgz, sorted, the same bytes for the
+    same files whatever their mtimes; the summaries are not in it (they stay at top level)."""
+    need_tree()
+    import os
+    import tarfile
+
+    import training_suite as S
+
+    for rel, text in (("runs/b.json", "{}\n"), ("runs/a.json", "[]\n"), ("plots/x.png", "png"),
+                      ("summary.json", "{}\n"), ("summary.md", "# s\n")):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    first = S.pack(tmp_path).read_bytes()
+    os.utime(tmp_path / "runs" / "a.json", (1e9, 1e9))
+    assert S.pack(tmp_path).read_bytes() == first
+    with tarfile.open(tmp_path / S.ARCHIVE) as tar:
+        assert tar.getnames() == ["plots/x.png", "runs/a.json", "runs/b.json"]
+        assert {m.mtime for m in tar.getmembers()} == {0}
+        assert tar.extractfile("runs/a.json").read() == b"[]\n"
+    S.pack(tmp_path, remove=True)  # what tools/gpu-training does: only the archive and summaries
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([S.ARCHIVE, "summary.json", "summary.md"])
+    with tarfile.open(tmp_path / S.ARCHIVE) as tar:
+        assert len(tar.getnames()) == 3

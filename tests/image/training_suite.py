@@ -4,6 +4,7 @@
         [--select REGEX] [--jobs N] [--budget S] [--work DIR]
     python tests/image/training_suite.py summarise --out DIR [--tier ...] [--select ...]
     python tests/image/training_suite.py plot --out DIR      # plots from DIR/summary.json
+    python tests/image/training_suite.py pack --out DIR      # DIR/training-results.tgz
 
 ``run`` executes every :class:`training.RunSpec` of the tier (``--select``: a regex on run
 names; runs a selected resume needs are added), each in a new gloo world of its own processes
@@ -21,6 +22,13 @@ runs the real FLA kernels with every rank on the host's GPUs (gloo, FLA's CP all
 * ``summary.md``: the tables of runs vs CP=1 and resumes vs the uninterrupted run;
 * ``plots/<name>.png`` (matplotlib, when importable): loss and grad norm per step against the
   reference, and their relative difference.
+
+``pack`` writes ``DIR/training-results.tgz``: ``runs/`` and ``plots/`` of ``DIR`` in one
+deterministic gzip'd tar (sorted paths, mtime 0, owner 0, mode 0644; the same files give the same
+bytes), for hosts that return only a few files (``tools/gpu-training`` calls it, with
+``--remove``: the folders are then deleted once the archive holds them); ``summary.md``/
+``summary.json`` stay beside it. ``tar xzf training-results.tgz -C DIR`` restores
+the two folders, and ``summarise`` works on them again.
 
 ``summarise`` rebuilds ``summary.json`` and the plots from the run records in ``DIR/runs``
 (records of several ``run`` calls copied into one ``DIR``). Exit status 0 when every comparison passed, 1 when one failed, 2 when a run could not start.
@@ -434,9 +442,59 @@ def plot(out: Path) -> List[str]:
     return written
 
 
+ARCHIVE = "training-results.tgz"
+
+
+def pack(out: Path, folders=("runs", "plots"), remove: bool = False) -> Path:
+    """Pack ``out/<folder>/**`` of ``folders`` into ``out/training-results.tgz``, deterministic:
+    paths sorted, every member a plain file with mtime 0, uid/gid 0, mode 0644, no user names,
+    gzip header mtime 0. Missing folders are skipped (no plots without matplotlib). ``remove``:
+    delete the packed folders once the archive is written and read back with every member
+    (a device host returns at most 8 files: the archive must not compete with its contents).
+    Returns the archive's path.
+
+    Raises:
+        FileNotFoundError: ``out`` is not a directory.
+    """
+    import gzip
+    import io
+    import tarfile
+
+    if not out.is_dir():
+        raise FileNotFoundError(f"pack: {out} is not a directory (run `training_suite.py run --out {out}` first)")
+    files = sorted(p for f in folders if (out / f).is_dir() for p in (out / f).rglob("*") if p.is_file())
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for p in files:
+            data = p.read_bytes()
+            info = tarfile.TarInfo(p.relative_to(out).as_posix())
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(data))
+    dest = out / ARCHIVE
+    tmp = dest.with_suffix(".tgz.tmp")
+    with open(tmp, "wb") as fh, gzip.GzipFile(filename="", mode="wb", fileobj=fh, mtime=0) as gz:
+        gz.write(buf.getvalue())
+    tmp.replace(dest)
+    if remove:
+        import shutil
+
+        with tarfile.open(dest) as tar:
+            names = tar.getnames()
+        want = [p.relative_to(out).as_posix() for p in files]
+        if names != want:
+            raise RuntimeError(f"pack: {dest} holds {len(names)} members, expected {len(want)}; "
+                               f"the folders {', '.join(folders)} of {out} were kept")
+        for f in folders:
+            if (out / f).is_dir():
+                shutil.rmtree(out / f)
+    return dest
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["run", "summarise", "plot", "list", "one"])
+    ap.add_argument("command", choices=["run", "summarise", "plot", "pack", "list", "one"])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--tier", choices=list(TIERS), default="full")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
@@ -444,6 +502,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=int(os.environ.get("GDN_TRAINING_JOBS", 4)))
     ap.add_argument("--budget", type=float, default=float(os.environ.get("GDN_TRAINING_BUDGET", 3600)))
     ap.add_argument("--work", type=Path, help="checkpoints (default: a temporary directory)")
+    ap.add_argument("--remove", action="store_true",
+                    help="pack: delete runs/ and plots/ once the archive holds them")
     ap.add_argument("--spec", help="one: the run's RunSpec as JSON")
     ap.add_argument("--timeout", type=float, default=600.0, help="one: seconds for its world")
     args = ap.parse_args(argv)
@@ -454,6 +514,9 @@ def main(argv=None) -> int:
     if args.command == "plot":
         for p in plot(args.out):
             print(p)
+        return 0
+    if args.command == "pack":
+        print(pack(args.out, remove=args.remove))
         return 0
     runs = matrix(args.tier)
     if args.select:
