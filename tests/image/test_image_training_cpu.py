@@ -5,7 +5,8 @@ by ``fla_emulation``: Megatron's side only; the real kernels run in the GPU job,
 
 The CPU tier of ``training_suite.matrix("cpu")``: CP=1 references (THD, SBHD), CP=4 chunkwise
 THD, CP=2 x DP=2 headwise THD, CP=4 all_gather SBHD, a CP=4 checkpoint resumed under
-CP=2 x DP=2 headwise, a CP=1 checkpoint resumed under CP=4 chunkwise; 4 steps, save at step 2.
+CP=2 x DP=2 headwise, a CP=1 checkpoint resumed under CP=4 chunkwise; 4 steps, save at step 2;
+TP=2 x CP=2 chunkwise THD and TP=2 x CP=2 headwise THD with sequence parallelism, 2 steps.
 Gated at the frozen gates of ``training_suite.GATES`` (docs/training.md). Results go to
 ``build/training-cpu`` (ignored by git), never to tracked files.
 """
@@ -58,14 +59,15 @@ def test_every_run_trains_and_takes_its_path_in_every_layer():
     (fresh runs), and every GDN layer took the run's mode's path at every step."""
     recs = _of("run")
     assert not _bad(recs), _bad(recs)
-    assert len(recs) == 7
+    assert len(recs) == 9
 
 
 def test_cp_runs_match_the_cp1_reference_at_the_frozen_gates():
     """Per-step loss and grad norm vs CP=1, equal valid-token counts every step, step 1 tight."""
     recs = _of("cp_vs_ref")
     assert {r["id"].split(" vs ")[0] for r in recs} == {
-        "cp4/thd/chunkwise", "cp2dp2/thd/headwise", "cp4/sbhd/all_gather"}
+        "cp4/thd/chunkwise", "cp2dp2/thd/headwise", "cp4/sbhd/all_gather",
+        "tp2cp2/thd/chunkwise", "tp2cp2sp/thd/headwise"}
     assert not _bad(recs), _bad(recs)
     for r in recs:
         assert all(row["valid_tokens"] == row["ref_valid_tokens"] for row in r["rows"])

@@ -26,7 +26,8 @@ tree under test and the independent ``cp_layout_ref``).
 
 Base Megatron-Core problems worked around here (none is in our patch; ``docs/training.md``):
 :func:`workaround_gloo_cuda_coalescing` (1), :func:`workaround_adam_state_before_load` (2),
-:func:`workaround_reshardable_load_without_no_grad` (3), :func:`workaround_adam_step_after_load` (4).
+:func:`workaround_reshardable_load_without_no_grad` (3), :func:`workaround_adam_step_after_load` (4),
+:func:`workaround_gdn_out_norm_grad_over_tp` (6).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ MAX_CP = 4  # documents are padded to multiples of 2 * MAX_CP: legal at every CP
 MICRO_BATCHES = 4  # global micro-batches per step (divisible by every DP size used)
 LAYERS = 2
 LR = 1e-3
+# GDN_TRAINING_NO_OUT_NORM_WORKAROUND=1: leave problem 6 in place (shows what it does)
+_NO_OUT_NORM_WORKAROUND = os.environ.get("GDN_TRAINING_NO_OUT_NORM_WORKAROUND") == "1"
 
 GEOMETRIES = {
     # 4 key / 8 value heads: headwise is legal at CP 1, 2 and 4
@@ -65,7 +68,8 @@ class RunSpec:
     """One training run. ``world = tp * cp * dp``; ``steps`` counts from step 1 (or from the
     checkpoint's step when ``load`` is given). ``save_at``: save after that step into
     ``<ckpt_root>/<save_name>``. ``order``: ``"forward"`` or ``"reversed"`` micro-batch order
-    within a rank's accumulation (equivalent runs, used to derive the gates)."""
+    within a rank's accumulation (equivalent runs, used to derive the gates). ``dynamic_cp``:
+    :func:`dynamic_assignments` places the step's micro-batches on CP subgroups."""
 
     name: str
     cp: int = 1
@@ -81,6 +85,9 @@ class RunSpec:
     save_name: Optional[str] = None
     load: Optional[str] = None
     order: str = "forward"
+    # dynamic CP: one CP=``cp`` world (``dynamic_context_parallel=True``) whose micro-batches
+    # run on CP subgroups of the sizes of DYNAMIC_SCHEDULE (THD, DP=1, TP=1)
+    dynamic_cp: bool = False
 
     @property
     def world(self) -> int:
@@ -167,7 +174,38 @@ def rank_indices(mb: MicroBatch, cp: int, cp_rank: int) -> torch.Tensor:
     return ref
 
 
-def packed_seq_params(mb: MicroBatch, device):
+# Dynamic CP: every step's MICRO_BATCHES global micro-batches, in rounds of one CP size each;
+# a round of size s runs one micro-batch on each CP subgroup of s consecutive ranks (ranks
+# [g*s, (g+1)*s), as parallel_state.create_dynamic_dp_cp_groups makes them), in this order.
+# Of a CP=4 world: micro-batch 0 on all four ranks, 1 and 2 on the two pairs, 3 on rank 0 alone.
+DYNAMIC_SCHEDULE = ((4, (0,)), (2, (1, 2)), (1, (3,)))
+
+
+def dynamic_assignments(rank: int, world_cp: int, schedule=DYNAMIC_SCHEDULE) -> List[tuple]:
+    """This rank's ``(micro-batch index, CP size, rank in its subgroup)`` of a step, in order.
+
+    Raises:
+        ValueError: the schedule does not place every micro-batch exactly once, or a size does
+            not divide ``world_cp``, or a round has more micro-batches than subgroups.
+    """
+    placed = sorted(i for _, idxs in schedule for i in idxs)
+    if placed != list(range(MICRO_BATCHES)):
+        raise ValueError(f"dynamic CP schedule {schedule} places micro-batches {placed}, "
+                         f"not each of 0..{MICRO_BATCHES - 1} once")
+    out = []
+    for size, idxs in schedule:
+        if world_cp % size or len(idxs) > world_cp // size:
+            raise ValueError(f"dynamic CP schedule: {len(idxs)} micro-batches on CP {size} "
+                             f"subgroups of a CP={world_cp} world")
+        g = rank // size
+        if g < len(idxs):
+            out.append((idxs[g], size, rank % size))
+    return out
+
+
+def packed_seq_params(mb: MicroBatch, device, cp_group=None, local_cp_size=None):
+    """``PackedSeqParams`` of a THD micro-batch (None for SBHD); ``cp_group``/``local_cp_size``:
+    the dynamic-CP subgroup it runs on (both or neither)."""
     if mb.cu_padded is None:
         return None
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -178,9 +216,10 @@ def packed_seq_params(mb: MicroBatch, device):
     cu_pad = torch.tensor(mb.cu_padded, dtype=torch.int32, device=device)
     cu = torch.tensor(actual, dtype=torch.int32, device=device)
     mx = max(mb.seq_lens())
+    kw = {} if cp_group is None else {"cp_group": cp_group, "local_cp_size": local_cp_size}
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
-                           max_seqlen_q=mx, max_seqlen_kv=mx)
+                           max_seqlen_q=mx, max_seqlen_kv=mx, **kw)
 
 
 # --------------------------------------------------------------------------------------
@@ -221,13 +260,33 @@ def make_config(spec: RunSpec, device):
         calculate_per_token_loss=True,
         transformer_impl="local",
     )
+    if spec.dynamic_cp:
+        kw["dynamic_context_parallel"] = True
     if spec.recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(**kw)
 
 
-def layer_spec():
-    """``TransformerBlockSubmodules``: every layer GDN (local linears, torch norm) + local MLP."""
+class SequenceParallelTorchNorm:
+    """``torch.nn.RMSNorm`` for sequence-parallel runs: Megatron's ``WrappedTorchNorm`` refuses
+    ``sequence_parallel`` ("sequence parallel not supported by torch LayerNorm"); this one marks
+    its weight ``sequence_parallel`` as Megatron's own norms do (``FusedLayerNorm``, ``TENorm``),
+    so ``finalize_model_grads`` sums its gradient over TP (each TP rank saw its part of the
+    sequence; for GDN's ``out_norm``, its part of the heads). Same arguments as
+    ``WrappedTorchNorm``; RMSNorm only (the tier's normalization)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelTorchNorm: normalization {config.normalization!r}; "
+                             "the training tier uses RMSNorm")
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        setattr(norm.weight, "sequence_parallel", bool(config.sequence_parallel))
+        return norm
+
+
+def layer_spec(sequence_parallel: bool = False):
+    """``TransformerBlockSubmodules``: every layer GDN (local linears, torch norm) + local MLP.
+    ``sequence_parallel``: every norm a :class:`SequenceParallelTorchNorm`."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
@@ -241,34 +300,37 @@ def layer_spec():
         TransformerLayerSubmodules,
     )
 
+    norm = SequenceParallelTorchNorm if sequence_parallel else WrappedTorchNorm
     gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
-        in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear))
+        in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear))
     layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=WrappedTorchNorm,
+        input_layernorm=norm,
         self_attention=gdn,
         self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=WrappedTorchNorm,
+        pre_mlp_layernorm=norm,
         mlp=get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=None),
         mlp_bda=get_bias_dropout_add,
     ))
-    return TransformerBlockSubmodules(layer_specs=[layer] * LAYERS, layer_norm=WrappedTorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * LAYERS, layer_norm=norm)
 
 
 def build_model(spec: RunSpec, device):
     """GPTModel + DDP + distributed optimizer for ``spec`` (parallel_state initialised).
 
-    Weights: ``gdn_harness.set_weights`` (seeded by parameter name, on the CPU), so every run
-    starts from the same weights on any device and CP/DP size (TP=1).
+    Weights: ``gdn_harness.set_weights`` (seeded by parameter name, on the CPU, each TP rank
+    its shard of the TP=1 values), so every run starts from the same weights on any device and
+    TP/CP/DP size.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = make_config(spec, device)
-    model = GPTModel(config, layer_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+    model = GPTModel(config, layer_spec(spec.sequence_parallel), vocab_size=VOCAB, max_sequence_length=SEQ,
                      position_embedding_type="none", share_embeddings_and_output_weights=False,
                      parallel_output=True).to(device)
-    H.set_weights(model)
+    H.set_weights(model, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=spec.tp)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                overlap_param_gather=False,
                                                use_distributed_optimizer=True)
@@ -360,13 +422,46 @@ def workaround_adam_step_after_load(optimizer, step: int) -> dict:
     return found
 
 
+def workaround_gdn_out_norm_grad_over_tp(model, spec: "RunSpec") -> bool:
+    """Problem 6: under TP each rank normalises its own value heads with GDN's ``out_norm``
+    (one weight of ``value_head_dim``, shared by every head), so each TP rank's gradient of that
+    weight holds only its heads' part. The weight is not ``tensor_model_parallel``, and
+    ``finalize_model_grads`` sums a replicated weight's gradient over TP only when it is marked
+    ``sequence_parallel`` *and* sequence parallelism is on; without sequence parallelism nothing
+    sums it: the TP ranks' ``out_norm`` weights get different updates and the optimizer's grad
+    norm counts TP rank 0's part only. Sums ``main_grad`` of every GDN ``out_norm`` parameter
+    over TP after the micro-batches' backward, before ``finalize_model_grads`` (TP > 1 without
+    sequence parallelism only; with it, :class:`SequenceParallelTorchNorm`'s mark does this).
+    Returns True when it summed."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    if spec.tp == 1 or spec.sequence_parallel:
+        return False
+    group = ps.get_tensor_model_parallel_group()
+    for m in model.modules():
+        if isinstance(m, GatedDeltaNet):
+            for p in m.out_norm.parameters():
+                g = p.main_grad if hasattr(p, "main_grad") else p.grad
+                dist.all_reduce(g, group=group)
+    return True
+
+
+class _NoRngFork:
+    """CPU hosts: stands in for the CUDA RNG tracker (``fork`` does nothing; no dropout)."""
+
+    def fork(self, *a, **k):
+        return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def cuda_literals_on_cpu(device):
     """CPU hosts only (never on a GPU): Megatron's optimizer, gradient clipping, DDP and
     dist_checkpointing allocate small tensors with ``device="cuda"`` / ``.cuda()`` literals and
     call ``torch.cuda.synchronize`` / streams, and check ``param.type()`` against
-    ``torch.cuda.*Tensor``. On a host without CUDA those land on the CPU and
-    the stream calls do nothing; nothing else changes. (``_world.install_cpu_device_shim``
+    ``torch.cuda.*Tensor``; the sequence-parallel embedding forks the CUDA RNG tracker. On a host
+    without CUDA those land on the CPU, the stream calls and the fork do nothing; nothing else
+    changes. (``_world.install_cpu_device_shim``
     already answers ``torch.cuda.current_device()`` with ``"cpu"``.)"""
     if device.type != "cpu" or torch.cuda.is_available():
         yield
@@ -410,6 +505,12 @@ def cuda_literals_on_cpu(device):
         stack.enter_context(mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None))
         stack.enter_context(mock.patch.object(torch.cuda, "current_stream", lambda *a, **k: _Stream()))
         stack.enter_context(mock.patch.object(torch.cuda, "Stream", _Stream))
+        # sequence parallelism: the embedding's dropout runs inside the CUDA RNG tracker's
+        # fork, whose state model_parallel_cuda_manual_seed (CUDA only) adds; dropout is 0
+        # here, so on a CPU host the fork is a no-op
+        import megatron.core.tensor_parallel as tpar
+
+        stack.enter_context(mock.patch.object(tpar, "get_cuda_rng_tracker", lambda *a, **k: _NoRngFork()))
         yield
 
 
@@ -474,6 +575,9 @@ def spy_model_paths(model):
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     counts: Dict[str, int] = {}
     spies = {m.layer_number: H.PathSpy(counts=counts) for m in layers}
+    inputs: Dict[int, List[int]] = {m.layer_number: [] for m in layers}
+    for n, spy in spies.items():
+        spy.input_tokens = inputs[n]  # tokens of each forward's hidden_states, this rank
     current = [None]  # the GDN layer whose forward is running (conv calls happen inside it)
     mods = {"gdn": gdn, "gcp": gcp}
     with contextlib.ExitStack() as stack:
@@ -515,6 +619,7 @@ def spy_model_paths(model):
 
             def enter(mod, args, __n=m.layer_number):
                 current[0] = __n
+                inputs[__n].append(int(args[0].shape[0]))  # hidden_states [s, b, h]
 
             def leave(mod, args, output):
                 current[0] = None
@@ -524,18 +629,27 @@ def spy_model_paths(model):
         yield spies
 
 
-def check_model_paths(spies, spec: RunSpec, mb: MicroBatch) -> dict:
-    """Every GDN layer took ``spec.mode``'s path (``gdn_harness.expected_path``)."""
+def check_model_paths(spies, spec: RunSpec, mb: MicroBatch, cp: Optional[int] = None) -> dict:
+    """Every GDN layer took ``spec.mode``'s path (``gdn_harness.expected_path``; under TP each
+    rank's scan sees its ``1/tp`` of the heads) and got ``SEQ / cp`` tokens (``/ tp`` more under
+    sequence parallelism). ``cp``: the CP size the micro-batches ran on (default ``spec.cp``;
+    a dynamic-CP subgroup's size)."""
+    cp = spec.cp if cp is None else cp
     geom = GEOMETRIES[spec.geometry]
     case = H.Case("train", SEQ, mb.cu_padded, mb.valid) if mb.cu_padded else H.Case("train", SEQ)
-    expect = H.expected_path(spec.mode, spec.cp, geom, case)
-    if spec.tp > 1 and expect["heads"] == geom.v_heads:
-        expect = {**expect, "heads": geom.v_heads // spec.tp}
-    elif spec.tp > 1:
+    expect = H.expected_path(spec.mode, cp, geom, case)
+    if spec.tp > 1:  # each TP rank scans its own value heads (after the CP split, headwise)
         expect = {**expect, "heads": expect["heads"] // spec.tp}
     per_layer = {str(n): H.check_path(s, expect) for n, s in sorted(spies.items())}
-    for rec in per_layer.values():
+    # the layer's input: this rank's CP share, and under sequence parallelism its 1/TP of it
+    want = SEQ // cp // (spec.tp if spec.sequence_parallel else 1)
+    for n, s in sorted(spies.items()):
+        rec = per_layer[str(n)]
         rec.pop("seen", None)
+        bad = sorted(set(t for t in s.input_tokens if t != want))
+        if bad or not s.input_tokens:
+            rec["passed"] = False
+            rec["problems"].append(f"layer input had {bad or 'no'} tokens, expected {want}")
     return {"passed": bool(per_layer) and all(r["passed"] for r in per_layer.values()),
             "layers": per_layer}
 
@@ -663,6 +777,9 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
                         loss_sum += loss.detach().double()
                         tokens += int(m.sum())
                 num_tokens = tokens.clone()
+                if not _NO_OUT_NORM_WORKAROUND:
+                    out["workarounds"]["gdn_out_norm_grad_over_tp"] = (
+                        workaround_gdn_out_norm_grad_over_tp(model.module, spec))
                 finalize_model_grads([model], num_tokens)  # all-reduces num_tokens over DP x CP
                 ok, grad_norm, _ = optimizer.step()
                 dist.all_reduce(loss_sum, group=dp_cp)

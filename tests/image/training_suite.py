@@ -128,6 +128,11 @@ def matrix(tier: str) -> List[dict]:
             ("resume", "cp4/thd/chunkwise"))
         add(R("resume/cp1->cp4-chunkwise", cp=4, steps=steps - save_at, load="cp1-thd"),
             ("resume", "cp1/thd/ref"))
+        # TP=2 x CP=2 (world 4), without and with sequence parallelism: 2 steps (step 1 is
+        # the one that compares the sharding; the CPU tier's time stays small)
+        add(R("tp2cp2/thd/chunkwise", tp=2, cp=2, steps=2), ("cp_vs_ref", "cp1/thd/ref"))
+        add(R("tp2cp2sp/thd/headwise", tp=2, cp=2, mode="headwise", sequence_parallel=True,
+              steps=2), ("cp_vs_ref", "cp1/thd/ref"))
         return runs
 
     for geom in T.GEOMETRIES:
@@ -155,6 +160,12 @@ def matrix(tier: str) -> List[dict]:
             for mode in ("headwise", "chunkwise", "all_gather"):
                 add(R(f"cp4/thd/{mode}/recompute", cp=4, mode=mode, recompute=True, steps=steps),
                     ("cp_vs_ref", "cp1/thd/ref"))
+    # TP=2 x CP=2 (world 4) in every mode, without and with sequence parallelism (THD, legal
+    # geometry: headwise needs heads % (TP*CP) == 0, 4 and 8 heads)
+    for sp in (False, True):
+        for mode in ("headwise", "chunkwise", "all_gather"):
+            add(R(f"tp2cp2{'sp' if sp else ''}/thd/{mode}", tp=2, cp=2, mode=mode,
+                  sequence_parallel=sp, steps=steps), ("cp_vs_ref", "cp1/thd/ref"))
     rest = steps - save_at
     for name, kw in (("cp4-chunkwise", dict(cp=4)), ("cp2dp2-headwise", dict(cp=2, dp=2, mode="headwise")),
                      ("cp1", dict(cp=1)), ("cp4-all_gather", dict(cp=4, mode="all_gather"))):
