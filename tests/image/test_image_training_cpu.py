@@ -6,7 +6,8 @@ by ``fla_emulation``: Megatron's side only; the real kernels run in the GPU job,
 The CPU tier of ``training_suite.matrix("cpu")``: CP=1 references (THD, SBHD), CP=4 chunkwise
 THD, CP=2 x DP=2 headwise THD, CP=4 all_gather SBHD, a CP=4 checkpoint resumed under
 CP=2 x DP=2 headwise, a CP=1 checkpoint resumed under CP=4 chunkwise; 4 steps, save at step 2;
-TP=2 x CP=2 chunkwise THD and TP=2 x CP=2 headwise THD with sequence parallelism, 2 steps.
+TP=2 x CP=2 chunkwise THD and TP=2 x CP=2 headwise THD with sequence parallelism, 2 steps;
+dynamic CP (one CP=4 world, micro-batches on CP 4/2/1 subgroups) chunkwise THD, 2 steps.
 Gated at the frozen gates of ``training_suite.GATES`` (docs/training.md). Results go to
 ``build/training-cpu`` (ignored by git), never to tracked files.
 """
@@ -59,7 +60,7 @@ def test_every_run_trains_and_takes_its_path_in_every_layer():
     (fresh runs), and every GDN layer took the run's mode's path at every step."""
     recs = _of("run")
     assert not _bad(recs), _bad(recs)
-    assert len(recs) == 9
+    assert len(recs) == 10
 
 
 def test_cp_runs_match_the_cp1_reference_at_the_frozen_gates():
@@ -67,10 +68,37 @@ def test_cp_runs_match_the_cp1_reference_at_the_frozen_gates():
     recs = _of("cp_vs_ref")
     assert {r["id"].split(" vs ")[0] for r in recs} == {
         "cp4/thd/chunkwise", "cp2dp2/thd/headwise", "cp4/sbhd/all_gather",
-        "tp2cp2/thd/chunkwise", "tp2cp2sp/thd/headwise"}
+        "tp2cp2/thd/chunkwise", "tp2cp2sp/thd/headwise", "dynamic/thd/chunkwise"}
     assert not _bad(recs), _bad(recs)
     for r in recs:
         assert all(row["valid_tokens"] == row["ref_valid_tokens"] for row in r["rows"])
+
+
+def test_dynamic_cp_micro_batches_ran_on_cp_4_2_and_1_subgroups():
+    """The dynamic-CP run's rank 0 ran micro-batch 0 on CP=4, 1 on CP=2 and 3 on CP=1 at every
+    step, each on its subgroup size's path, and no process group was created while training
+    (every rank's paths passed: ``test_every_run_trains...``)."""
+    _of("run")
+    import training_suite as S
+
+    rec = json.loads(S._run_path(OUT, "dynamic/thd/chunkwise").read_text())
+    assert rec["paths_all_ranks"] is True
+    for p in rec["paths"]:
+        assert p["passed"] and p["new_group_calls"] == 0, p
+        assert [(m["index"], m["cp"]) for m in p["micro_batches"]] == [(0, 4), (1, 2), (3, 1)]
+
+
+def test_dynamic_assignments_place_every_micro_batch_once():
+    need_tree()
+    import training as T
+
+    seen = sorted((i, n) for r in range(4) for i, n, rr in T.dynamic_assignments(r, 4) if rr == 0)
+    assert seen == [(0, 4), (1, 2), (2, 2), (3, 1)]
+    assert [(i, n, rr) for i, n, rr in T.dynamic_assignments(3, 4)] == [(0, 4, 3), (2, 2, 1)]
+    with pytest.raises(ValueError, match="places micro-batches"):
+        T.dynamic_assignments(0, 4, ((4, (0,)), (2, (1, 2))))
+    with pytest.raises(ValueError, match="subgroups of a CP=4 world"):
+        T.dynamic_assignments(0, 4, ((4, (0, 1)), (2, (2, 3))))
 
 
 def test_resumes_across_cp_sizes_match_the_uninterrupted_run():

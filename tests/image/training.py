@@ -85,8 +85,9 @@ class RunSpec:
     save_name: Optional[str] = None
     load: Optional[str] = None
     order: str = "forward"
-    # dynamic CP: one CP=``cp`` world (``dynamic_context_parallel=True``) whose micro-batches
-    # run on CP subgroups of the sizes of DYNAMIC_SCHEDULE (THD, DP=1, TP=1)
+    # dynamic CP: one CP=``cp`` world (``initialize_model_parallel(dynamic_context_parallel=
+    # True)``) whose micro-batches run on its CP subgroups of the sizes of DYNAMIC_SCHEDULE,
+    # each micro-batch's PackedSeqParams carrying cp_group/local_cp_size (THD, DP=1, TP=1)
     dynamic_cp: bool = False
 
     @property
@@ -260,8 +261,11 @@ def make_config(spec: RunSpec, device):
         calculate_per_token_loss=True,
         transformer_impl="local",
     )
-    if spec.dynamic_cp:
-        kw["dynamic_context_parallel"] = True
+    # dynamic CP: TransformerConfig(dynamic_context_parallel=True) only selects Megatron's data
+    # scheduler (sequence_packing_scheduler="default_dynamic_cp", whose config check requires
+    # Transformer Engine >= 2.9: the image has no TE); the model reads cp_group/local_cp_size
+    # from PackedSeqParams, and the subgroups come from initialize_model_parallel. The flag
+    # stays off; DYNAMIC_SCHEDULE plays the scheduler.
     if spec.recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(**kw)
@@ -447,6 +451,28 @@ def workaround_gdn_out_norm_grad_over_tp(model, spec: "RunSpec") -> bool:
     return True
 
 
+@contextlib.contextmanager
+def dynamic_cp_init_on_cpu(device, dynamic: bool):
+    """gloo worlds: ``initialize_model_parallel(dynamic_context_parallel=True)`` ends with a
+    barrier on each dynamic subgroup with ``device_ids=[torch.cuda.current_device()]``, an NCCL
+    option (on a CPU host ``"cpu"`` under ``_world``'s CPU shim, which gloo's options reject);
+    in a gloo world the barrier runs without ``device_ids``. On a CPU host the
+    ``torch.cuda.synchronize()`` after it does nothing."""
+    if not dynamic or dist.get_backend() != "gloo":
+        yield
+        return
+    barrier = dist.barrier
+
+    def gloo_barrier(*a, device_ids=None, **k):
+        return barrier(*a, **k)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(dist, "barrier", gloo_barrier))
+        if device.type == "cpu" and not torch.cuda.is_available():
+            stack.enter_context(mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None))
+        yield
+
+
 class _NoRngFork:
     """CPU hosts: stands in for the CUDA RNG tracker (``fork`` does nothing; no dropout)."""
 
@@ -629,6 +655,24 @@ def spy_model_paths(model):
         yield spies
 
 
+@contextlib.contextmanager
+def count_new_groups():
+    """Record ``torch.distributed.new_group`` calls (dynamic CP must create no process group
+    while it trains: the subgroups exist from ``initialize_model_parallel``). Yields the list
+    of calls; the calls still go through."""
+    import torch.distributed.distributed_c10d as c10d
+
+    calls: List[int] = []
+    orig = c10d.new_group
+
+    def counted(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    with mock.patch.object(dist, "new_group", counted), mock.patch.object(c10d, "new_group", counted):
+        yield calls
+
+
 def check_model_paths(spies, spec: RunSpec, mb: MicroBatch, cp: Optional[int] = None) -> dict:
     """Every GDN layer took ``spec.mode``'s path (``gdn_harness.expected_path``; under TP each
     rank's scan sees its ``1/tp`` of the heads) and got ``SEQ / cp`` tokens (``/ tp`` more under
@@ -730,7 +774,13 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
         from fla_emulation import emulated_fla_in_megatron
 
         stack.enter_context(emulated_fla_in_megatron())
-    ps.initialize_model_parallel(tensor_model_parallel_size=spec.tp, context_parallel_size=spec.cp)
+    if spec.dynamic_cp and (spec.tp, spec.dp, spec.layout) != (1, 1, "thd"):
+        raise ValueError(f"{spec.name}: dynamic CP runs are TP=1, DP=1, THD; got TP={spec.tp}, "
+                         f"DP={spec.dp}, {spec.layout}")
+    dyn_kw = {"dynamic_context_parallel": True} if spec.dynamic_cp else {}
+    with dynamic_cp_init_on_cpu(device, spec.dynamic_cp):
+        ps.initialize_model_parallel(tensor_model_parallel_size=spec.tp,
+                                     context_parallel_size=spec.cp, **dyn_kw)
     if device.type == "cuda":  # the RNG tracker recompute's checkpoint saves and restores
         from megatron.core import tensor_parallel
 
@@ -761,12 +811,22 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
                 optimizer.zero_grad()
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 tokens = torch.zeros((), dtype=torch.int64, device=device)
-                with spy_model_paths(model.module) as spies:
-                    for j, i in enumerate(idxs):
+                if spec.dynamic_cp:  # (index, CP size, subgroup, rank in it), this rank's
+                    work = [(i, n, ps.get_dynamic_data_context_parallel_groups(group_size=n), r)
+                            for i, n, r in dynamic_assignments(cp_rank, spec.cp)]
+                else:
+                    work = [(i, spec.cp, None, cp_rank) for i in idxs]
+                mb_paths = []
+                with spy_model_paths(model.module) as step_spies, count_new_groups() as created:
+                    for j, (i, size, group, rank_in) in enumerate(work):
                         mb = micro_batch(step, i, spec.layout)
-                        idx = rank_indices(mb, spec.cp, cp_rank)
-                        psp = packed_seq_params(mb, device)
-                        with model.no_sync() if j < len(idxs) - 1 else contextlib.nullcontext():
+                        idx = rank_indices(mb, size, rank_in)
+                        psp = packed_seq_params(mb, device, cp_group=group,
+                                                local_cp_size=size if group is not None else None)
+                        mb_spies = (contextlib.nullcontext(step_spies) if not spec.dynamic_cp
+                                    else spy_model_paths(model.module))
+                        with mb_spies as spies, (model.no_sync() if j < len(work) - 1
+                                                 else contextlib.nullcontext()):
                             per_tok = model(mb.tokens[idx][None].to(device),
                                             mb.position_ids[idx][None].to(device), None,
                                             labels=mb.labels[idx][None].to(device),
@@ -774,6 +834,9 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
                             m = mb.loss_mask[idx][None].to(device)
                             loss = (per_tok.float() * m).sum()
                             loss.backward()
+                        if spec.dynamic_cp:  # the path of the subgroup size it ran on
+                            mb_paths.append({"index": i, "cp": size,
+                                             **check_model_paths(spies, spec, mb, cp=size)})
                         loss_sum += loss.detach().double()
                         tokens += int(m.sum())
                 num_tokens = tokens.clone()
@@ -788,7 +851,13 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
                        "update_successful": bool(ok)}
                 rec["finite"] = math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])
                 out["steps"].append(rec)
-                out["paths"].append(check_model_paths(spies, spec, mb))
+                if spec.dynamic_cp:
+                    path = {"passed": bool(mb_paths) and all(p["passed"] for p in mb_paths)
+                            and not created, "micro_batches": mb_paths,
+                            "new_group_calls": len(created)}
+                else:
+                    path = check_model_paths(step_spies, spec, mb)
+                out["paths"].append(path)
                 if spec.save_at == step:
                     save_checkpoint(os.path.join(ckpt_root, spec.save_name), model, optimizer,
                                     step, dp_cp)

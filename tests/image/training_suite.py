@@ -133,6 +133,8 @@ def matrix(tier: str) -> List[dict]:
         add(R("tp2cp2/thd/chunkwise", tp=2, cp=2, steps=2), ("cp_vs_ref", "cp1/thd/ref"))
         add(R("tp2cp2sp/thd/headwise", tp=2, cp=2, mode="headwise", sequence_parallel=True,
               steps=2), ("cp_vs_ref", "cp1/thd/ref"))
+        # dynamic CP: one CP=4 world, micro-batches on CP 4, 2 and 1 subgroups, 2 steps
+        add(R("dynamic/thd/chunkwise", cp=4, dynamic_cp=True, steps=2), ("cp_vs_ref", "cp1/thd/ref"))
         return runs
 
     for geom in T.GEOMETRIES:
@@ -166,6 +168,11 @@ def matrix(tier: str) -> List[dict]:
         for mode in ("headwise", "chunkwise", "all_gather"):
             add(R(f"tp2cp2{'sp' if sp else ''}/thd/{mode}", tp=2, cp=2, mode=mode,
                   sequence_parallel=sp, steps=steps), ("cp_vs_ref", "cp1/thd/ref"))
+    # dynamic CP in every mode: one CP=4 world, each step's micro-batches on its CP 4, 2 and 1
+    # subgroups (training.DYNAMIC_SCHEDULE), the path proved per micro-batch and subgroup size
+    for mode in ("headwise", "chunkwise", "all_gather"):
+        add(R(f"dynamic/thd/{mode}", cp=4, mode=mode, dynamic_cp=True, steps=steps),
+            ("cp_vs_ref", "cp1/thd/ref"))
     rest = steps - save_at
     for name, kw in (("cp4-chunkwise", dict(cp=4)), ("cp2dp2-headwise", dict(cp=2, dp=2, mode="headwise")),
                      ("cp1", dict(cp=1)), ("cp4-all_gather", dict(cp=4, mode="all_gather"))):
