@@ -204,3 +204,20 @@ def test_pack_writes_one_deterministic_archive_of_runs_and_plots(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([S.ARCHIVE, "summary.json", "summary.md"])
     with tarfile.open(tmp_path / S.ARCHIVE) as tar:
         assert len(tar.getnames()) == 3
+
+
+def test_tp_shard_takes_each_ranks_part_of_every_block():
+    """``gdn_harness.tp_shard``: a TP rank's shard is its half of every block (GDN's in_proj
+    ``[q, k, v, z, beta, alpha]`` is cut block by block, not as one contiguous slice), and the
+    ranks' shards put back block by block are the TP=1 tensor."""
+    import gdn_harness as H
+
+    full = torch.arange(16.0).reshape(8, 2)
+    r0, r1 = (H.tp_shard(full, 0, [2, 2, 4], r, 2) for r in (0, 1))
+    assert r0[:, 0].tolist() == [0.0, 4.0, 8.0, 10.0]
+    assert r1[:, 0].tolist() == [2.0, 6.0, 12.0, 14.0]
+    cols = H.tp_shard(full, 1, [2], 1, 2)
+    assert torch.equal(cols, full[:, 1:])
+    back = torch.cat([torch.cat([a, b]) for a, b in zip(torch.split(r0, [1, 1, 2]),
+                                                          torch.split(r1, [1, 1, 2]))])
+    assert torch.equal(back, full)
