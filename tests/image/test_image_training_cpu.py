@@ -74,6 +74,26 @@ def test_cp_runs_match_the_cp1_reference_at_the_frozen_gates():
         assert all(row["valid_tokens"] == row["ref_valid_tokens"] for row in r["rows"])
 
 
+def test_tp2_cp2_runs_match_cp1_at_step_1_with_and_without_sequence_parallelism():
+    """TP=2 x CP=2 (chunkwise) and TP=2 x CP=2 + SP (headwise) at step 1 within the k = 1 gate
+    (1e-5 / 1e-4); problem 6's workaround summed GDN's out_norm gradients over TP without SP
+    and was not needed with it; under SP every layer got 128 / (CP*TP) = 32 tokens."""
+    import training_suite as S
+
+    gate = S.GATES["cp_vs_ref"][0]
+    recs = {r["id"].split(" vs ")[0]: r for r in _of("cp_vs_ref") if r["id"].startswith("tp2cp2")}
+    assert set(recs) == {"tp2cp2/thd/chunkwise", "tp2cp2sp/thd/headwise"}
+    for r in recs.values():
+        row = r["rows"][0]
+        assert row["step"] == 1 and row["loss_rel"] <= gate["loss_rel"], row
+        assert row["grad_norm_rel"] <= gate["grad_norm_rel"], row
+    runs = {c["id"]: c for c in _of("run")}
+    assert runs["tp2cp2/thd/chunkwise"]["workarounds"]["gdn_out_norm_grad_over_tp"] is True
+    assert runs["tp2cp2sp/thd/headwise"]["workarounds"]["gdn_out_norm_grad_over_tp"] is False
+    rec = json.loads(S._run_path(OUT, "tp2cp2sp/thd/headwise").read_text())
+    assert rec["spec"]["sequence_parallel"] and rec["paths_all_ranks"]
+
+
 def test_dynamic_cp_micro_batches_ran_on_cp_4_2_and_1_subgroups():
     """The dynamic-CP run's rank 0 ran micro-batch 0 on CP=4, 1 on CP=2 and 3 on CP=1 at every
     step, each on its subgroup size's path, and no process group was created while training
