@@ -22,7 +22,10 @@ token streams (``start + stride * i mod VOCAB``; the model learns the stride fro
 THD micro-batches pack three documents of unequal lengths, each padded to a multiple of
 ``2 * MAX_CP``, an empty segment between the first two, and a padding tail; SBHD is one stream,
 batch 1. Each rank takes its zigzag tokens (checked against ``context_parallel_layout`` of the
-tree under test and the independent ``cp_layout_ref``).
+tree under test and the independent ``cp_layout_ref``). Under TP every rank holds its shard of
+the TP=1 weights (``gdn_harness.set_weights``); sequence-parallel runs use
+:class:`SequenceParallelTorchNorm`. Dynamic-CP runs put each step's micro-batches on the CP 4,
+2 and 1 subgroups of one CP=4 world (:data:`DYNAMIC_SCHEDULE`).
 
 Base Megatron-Core problems worked around here (none is in our patch; ``docs/training.md``):
 :func:`workaround_gloo_cuda_coalescing` (1), :func:`workaround_adam_state_before_load` (2),
