@@ -478,6 +478,12 @@ def _worker(args, job):
         for layout in (args.timed_layouts if job["timed"] else args.layouts):
             for recompute in args.recompute:
                 for L in args.layers:
+                    if job.get("stop_at") and time.time() > job["stop_at"]:
+                        # the launch's time limit is near: start nothing more (a run the driver
+                        # kills mid-way would leave its GPU work running into the next launch)
+                        errors.append({"mode": mode, "layout": layout, "recompute": recompute, "layers": L,
+                                       "error": "not started: the launch's time limit was near"})
+                        continue
                     rec = {"mode": mode, "cp": P, "layers": L, "layout": layout, "recompute": recompute,
                            "tokens": T, "local_tokens": local, "samples": args.samples if layout == "thd" else 1,
                            "tree": job["tree"], "timings_valid": bool(job["timed"]) and not cpu,
@@ -612,8 +618,12 @@ def _launch(args, job, part, argv, timeout):
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it on to its workers
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         return 124
 
 
@@ -657,6 +667,9 @@ def main(argv=None):
                 continue
             timeout = min(timeout, left)
         started = time.monotonic()
+        # the workers start no run later than this (wall clock: they are other processes); the
+        # margin is one L=8 micro-batch set at 32768 tokens
+        job = dict(job, stop_at=time.time() + timeout - 45)
         code = _launch(args, job, part, argv, timeout)
         result["meta"].setdefault("launch_s", {})[job["name"]] = round(time.monotonic() - started, 1)
         if code:

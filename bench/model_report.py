@@ -52,10 +52,16 @@ def from_line(line: str) -> dict | None:
     return rec
 
 
-def load(jsons: list, lines: list) -> list:
+def load(jsons: list, lines: list, round_offsets: dict | None = None) -> list:
+    """Runs of every input, keyed by configuration and round (a later input replaces an earlier
+    run of the same key). ``round_offsets``: ``{json path: N}`` adds N to the rounds of that
+    file's runs (a round whose second process ran in a later call)."""
     runs: dict = {}
     for path in jsons:
+        off = (round_offsets or {}).get(str(path), 0)
         for r in json.loads(Path(path).read_text())["runs"]:
+            if off:
+                r = dict(r, round=r.get("round", 1) + off, round_offset=off)
             runs[_key(r)] = r
     for path in lines:
         for line in Path(path).read_text().splitlines():
@@ -185,8 +191,16 @@ def main(argv=None) -> int:
     ap.add_argument("jsons", nargs="+")
     ap.add_argument("--lines", nargs="*", default=[])
     ap.add_argument("--outdir", type=Path, required=True)
+    ap.add_argument("--round-offset", action="append", default=[], metavar="JSON=N",
+                    help="add N to the CP=1 rounds of the runs in JSON (one of the inputs)")
     args = ap.parse_args(argv)
-    runs = load(args.jsons, args.lines)
+    offsets = {}
+    for item in args.round_offset:
+        path, _, n = item.rpartition("=")
+        if path not in args.jsons or not n.lstrip("-").isdigit():
+            ap.error(f"--round-offset {item!r}: give JSON=N with JSON one of the inputs")
+        offsets[path] = int(n)
+    runs = load(args.jsons, args.lines, offsets)
     args.outdir.mkdir(parents=True, exist_ok=True)
     (args.outdir / "summary.md").write_text(tables(runs))
     plot(runs, args.outdir / "model.png")

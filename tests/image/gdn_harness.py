@@ -173,12 +173,82 @@ def build_gdn(config, pg, via_spec: bool = False):
     return build_module(spec, config=config, layer_number=1, pg_collection=pg)
 
 
-def set_weights(module: torch.nn.Module, seed: int = 1234) -> None:
-    """Fill every parameter from a generator seeded by (seed, parameter name); TP=1 only."""
+def tp_shard_layout(module: torch.nn.Module, tp_size: int) -> Dict[str, tuple]:
+    """How each tensor-parallel parameter of ``module`` is cut from its TP=1 tensor.
+
+    Returns ``{parameter name: (dim, sections)}`` for every parameter marked
+    ``tensor_model_parallel``: ``dim`` its ``partition_dim`` (0 for column-parallel linears,
+    the vocab-parallel embedding, GDN's conv1d / A_log / dt_bias; 1 for row-parallel linears),
+    ``sections`` the full (TP=1) sizes of the consecutive blocks along ``dim`` that are split
+    over TP one by one; a TP rank's shard is its ``1/tp_size`` of every block, concatenated.
+    One block unless the module's forward splits its local tensor into parts:
+
+    * ``GatedDeltaNet.in_proj``: ``[q, k, v, z, beta, alpha]`` =
+      ``[qk_dim, qk_dim, v_dim, v_dim, num_value_heads, num_value_heads]`` (the forward splits
+      the local output by ``qk_dim_local_tp``, ... ``num_value_heads // tp_size``),
+    * ``GatedDeltaNet.conv1d``: ``[q, k, v]`` = ``[qk_dim, qk_dim, v_dim]`` channels,
+    * a gated MLP's ``linear_fc1``: ``[gate, up]`` = ``[ffn_hidden_size] * 2`` (``glu``
+      chunks the local output in two).
+
+    Parameters without the mark (norms) are replicated: absent from the result.
+    """
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.mlp import MLP
+
+    blocks: Dict[str, List[int]] = {}
+    for mname, m in module.named_modules():
+        pre = f"{mname}." if mname else ""
+        if isinstance(m, GatedDeltaNet):
+            qk, v, nv = m.qk_dim, m.v_dim, m.num_value_heads
+            for leaf in ("in_proj.weight", "in_proj.bias"):
+                blocks[pre + leaf] = [qk, qk, v, v, nv, nv]
+            for leaf in ("conv1d.weight", "conv1d.bias"):
+                blocks[pre + leaf] = [qk, qk, v]
+        elif isinstance(m, MLP) and m.config.gated_linear_unit:
+            for leaf in ("linear_fc1.weight", "linear_fc1.bias"):
+                blocks[pre + leaf] = [m.config.ffn_hidden_size] * 2
+    out = {}
+    for name, p in module.named_parameters():
+        if not getattr(p, "tensor_model_parallel", False):
+            continue
+        dim = int(getattr(p, "partition_dim", 0))
+        full = int(p.shape[dim]) * tp_size
+        sections = blocks.get(name, [full])
+        if sum(sections) != full or any(n % tp_size for n in sections):
+            raise ValueError(f"tp_shard_layout: {name} has {p.shape[dim]} rows along dim {dim} at "
+                             f"TP={tp_size}; blocks {sections} (full {full}) do not split evenly")
+        out[name] = (dim, sections)
+    return out
+
+
+def tp_shard(full: torch.Tensor, dim: int, sections: Sequence[int], tp_rank: int,
+             tp_size: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s part of the TP=1 tensor ``full``: its ``1/tp_size`` of each block
+    of ``sections`` along ``dim``, concatenated (any dtype; a new tensor)."""
+    parts = []
+    for blk in torch.split(full, list(sections), dim=dim):
+        parts.append(torch.chunk(blk, tp_size, dim=dim)[tp_rank])
+    return torch.cat(parts, dim=dim)
+
+
+def set_weights(module: torch.nn.Module, seed: int = 1234, tp_rank: int = 0,
+                tp_size: int = 1) -> None:
+    """Fill every parameter from a generator seeded by (seed, parameter name).
+
+    The value is drawn for the parameter's TP=1 shape (float64, CPU) and, at ``tp_size > 1``,
+    cut to TP rank ``tp_rank``'s shard (:func:`tp_shard_layout`, :func:`tp_shard`): every TP
+    rank holds its part of the very weights a TP=1 build gets; replicated parameters are the
+    same on every rank.
+    """
+    layout = tp_shard_layout(module, tp_size) if tp_size > 1 else {}
     with torch.no_grad():
         for name, p in module.named_parameters():
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            shape = tuple(p.shape)
+            shape = list(p.shape)
+            if name in layout:
+                dim, sections = layout[name]
+                shape[dim] = sum(sections)
+            shape = tuple(shape)
             rn = lambda: torch.randn(shape, generator=gen, dtype=torch.float64)  # noqa: E731
             if name.endswith("A_log"):
                 val = torch.log(torch.empty(shape, dtype=torch.float64).uniform_(1, 16, generator=gen))
@@ -192,6 +262,11 @@ def set_weights(module: torch.nn.Module, seed: int = 1234) -> None:
                 val = rn() / math.sqrt(shape[1])
             else:
                 val = 0.1 * rn()
+            if name in layout:
+                val = tp_shard(val, layout[name][0], layout[name][1], tp_rank, tp_size)
+            if tuple(val.shape) != tuple(p.shape):
+                raise ValueError(f"set_weights: {name} is {tuple(p.shape)} on TP rank {tp_rank}, "
+                                 f"its shard of the TP=1 value is {tuple(val.shape)}")
             p.copy_(val.to(dtype=p.dtype, device=p.device))
 
 

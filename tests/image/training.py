@@ -22,11 +22,15 @@ token streams (``start + stride * i mod VOCAB``; the model learns the stride fro
 THD micro-batches pack three documents of unequal lengths, each padded to a multiple of
 ``2 * MAX_CP``, an empty segment between the first two, and a padding tail; SBHD is one stream,
 batch 1. Each rank takes its zigzag tokens (checked against ``context_parallel_layout`` of the
-tree under test and the independent ``cp_layout_ref``).
+tree under test and the independent ``cp_layout_ref``). Under TP every rank holds its shard of
+the TP=1 weights (``gdn_harness.set_weights``); sequence-parallel runs use
+:class:`SequenceParallelTorchNorm`. Dynamic-CP runs put each step's micro-batches on the CP 4,
+2 and 1 subgroups of one CP=4 world (:data:`DYNAMIC_SCHEDULE`).
 
 Base Megatron-Core problems worked around here (none is in our patch; ``docs/training.md``):
 :func:`workaround_gloo_cuda_coalescing` (1), :func:`workaround_adam_state_before_load` (2),
-:func:`workaround_reshardable_load_without_no_grad` (3), :func:`workaround_adam_step_after_load` (4).
+:func:`workaround_reshardable_load_without_no_grad` (3), :func:`workaround_adam_step_after_load` (4),
+:func:`workaround_gdn_out_norm_grad_over_tp` (6).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ MAX_CP = 4  # documents are padded to multiples of 2 * MAX_CP: legal at every CP
 MICRO_BATCHES = 4  # global micro-batches per step (divisible by every DP size used)
 LAYERS = 2
 LR = 1e-3
+# GDN_TRAINING_NO_OUT_NORM_WORKAROUND=1: leave problem 6 in place (shows what it does)
+_NO_OUT_NORM_WORKAROUND = os.environ.get("GDN_TRAINING_NO_OUT_NORM_WORKAROUND") == "1"
 
 GEOMETRIES = {
     # 4 key / 8 value heads: headwise is legal at CP 1, 2 and 4
@@ -75,7 +81,8 @@ class RunSpec:
     ``<ckpt_root>/<save_name>``. ``order``: ``"forward"`` or ``"reversed"`` micro-batch order
     within a rank's accumulation (equivalent runs, used to derive the gates). ``tree``: which
     tree's ``megatron`` package the run's processes import (:data:`TREES`); the runner starts a
-    base-tree run in processes of their own with that tree first on ``sys.path``."""
+    base-tree run in processes of their own with that tree first on ``sys.path``.
+    ``dynamic_cp``: :func:`dynamic_assignments` places the step's micro-batches on CP subgroups."""
 
     name: str
     cp: int = 1
@@ -94,6 +101,10 @@ class RunSpec:
     # which tree's ``megatron`` the run's processes import: "patched" (build/tree/patched) or
     # "base" (build/tree/base: the old image's GDN, no CP modes; CP=1 runs here)
     tree: str = "patched"
+    # dynamic CP: one CP=``cp`` world (``initialize_model_parallel(dynamic_context_parallel=
+    # True)``) whose micro-batches run on its CP subgroups of the sizes of DYNAMIC_SCHEDULE,
+    # each micro-batch's PackedSeqParams carrying cp_group/local_cp_size (THD, DP=1, TP=1)
+    dynamic_cp: bool = False
 
     @property
     def world(self) -> int:
@@ -197,7 +208,38 @@ def rank_indices(mb: MicroBatch, cp: int, cp_rank: int, tree: str = "patched") -
     return ref
 
 
-def packed_seq_params(mb: MicroBatch, device):
+# Dynamic CP: every step's MICRO_BATCHES global micro-batches, in rounds of one CP size each;
+# a round of size s runs one micro-batch on each CP subgroup of s consecutive ranks (ranks
+# [g*s, (g+1)*s), as parallel_state.create_dynamic_dp_cp_groups makes them), in this order.
+# Of a CP=4 world: micro-batch 0 on all four ranks, 1 and 2 on the two pairs, 3 on rank 0 alone.
+DYNAMIC_SCHEDULE = ((4, (0,)), (2, (1, 2)), (1, (3,)))
+
+
+def dynamic_assignments(rank: int, world_cp: int, schedule=DYNAMIC_SCHEDULE) -> List[tuple]:
+    """This rank's ``(micro-batch index, CP size, rank in its subgroup)`` of a step, in order.
+
+    Raises:
+        ValueError: the schedule does not place every micro-batch exactly once, or a size does
+            not divide ``world_cp``, or a round has more micro-batches than subgroups.
+    """
+    placed = sorted(i for _, idxs in schedule for i in idxs)
+    if placed != list(range(MICRO_BATCHES)):
+        raise ValueError(f"dynamic CP schedule {schedule} places micro-batches {placed}, "
+                         f"not each of 0..{MICRO_BATCHES - 1} once")
+    out = []
+    for size, idxs in schedule:
+        if world_cp % size or len(idxs) > world_cp // size:
+            raise ValueError(f"dynamic CP schedule: {len(idxs)} micro-batches on CP {size} "
+                             f"subgroups of a CP={world_cp} world")
+        g = rank // size
+        if g < len(idxs):
+            out.append((idxs[g], size, rank % size))
+    return out
+
+
+def packed_seq_params(mb: MicroBatch, device, cp_group=None, local_cp_size=None):
+    """``PackedSeqParams`` of a THD micro-batch (None for SBHD); ``cp_group``/``local_cp_size``:
+    the dynamic-CP subgroup it runs on (both or neither)."""
     if mb.cu_padded is None:
         return None
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -208,9 +250,10 @@ def packed_seq_params(mb: MicroBatch, device):
     cu_pad = torch.tensor(mb.cu_padded, dtype=torch.int32, device=device)
     cu = torch.tensor(actual, dtype=torch.int32, device=device)
     mx = max(mb.seq_lens())
+    kw = {} if cp_group is None else {"cp_group": cp_group, "local_cp_size": local_cp_size}
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
-                           max_seqlen_q=mx, max_seqlen_kv=mx)
+                           max_seqlen_q=mx, max_seqlen_kv=mx, **kw)
 
 
 # --------------------------------------------------------------------------------------
@@ -251,6 +294,11 @@ def make_config(spec: RunSpec, device):
         calculate_per_token_loss=True,
         transformer_impl="local",
     )
+    # dynamic CP: TransformerConfig(dynamic_context_parallel=True) only selects Megatron's data
+    # scheduler (sequence_packing_scheduler="default_dynamic_cp", whose config check requires
+    # Transformer Engine >= 2.9: the image has no TE); the model reads cp_group/local_cp_size
+    # from PackedSeqParams, and the subgroups come from initialize_model_parallel. The flag
+    # stays off; DYNAMIC_SCHEDULE plays the scheduler.
     if spec.recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(**config_kwargs_for_tree(kw, spec, TransformerConfig))
@@ -286,8 +334,26 @@ def config_kwargs_for_tree(kw: dict, spec: RunSpec, config_cls) -> dict:
     return {k: v for k, v in kw.items() if k in accepted}
 
 
-def layer_spec():
-    """``TransformerBlockSubmodules``: every layer GDN (local linears, torch norm) + local MLP."""
+class SequenceParallelTorchNorm:
+    """``torch.nn.RMSNorm`` for sequence-parallel runs: Megatron's ``WrappedTorchNorm`` refuses
+    ``sequence_parallel`` ("sequence parallel not supported by torch LayerNorm"); this one marks
+    its weight ``sequence_parallel`` as Megatron's own norms do (``FusedLayerNorm``, ``TENorm``),
+    so ``finalize_model_grads`` sums its gradient over TP (each TP rank saw its part of the
+    sequence; for GDN's ``out_norm``, its part of the heads). Same arguments as
+    ``WrappedTorchNorm``; RMSNorm only (the tier's normalization)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelTorchNorm: normalization {config.normalization!r}; "
+                             "the training tier uses RMSNorm")
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        setattr(norm.weight, "sequence_parallel", bool(config.sequence_parallel))
+        return norm
+
+
+def layer_spec(sequence_parallel: bool = False):
+    """``TransformerBlockSubmodules``: every layer GDN (local linears, torch norm) + local MLP.
+    ``sequence_parallel``: every norm a :class:`SequenceParallelTorchNorm`."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
@@ -301,34 +367,37 @@ def layer_spec():
         TransformerLayerSubmodules,
     )
 
+    norm = SequenceParallelTorchNorm if sequence_parallel else WrappedTorchNorm
     gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
-        in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear))
+        in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear))
     layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=WrappedTorchNorm,
+        input_layernorm=norm,
         self_attention=gdn,
         self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=WrappedTorchNorm,
+        pre_mlp_layernorm=norm,
         mlp=get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=None),
         mlp_bda=get_bias_dropout_add,
     ))
-    return TransformerBlockSubmodules(layer_specs=[layer] * LAYERS, layer_norm=WrappedTorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * LAYERS, layer_norm=norm)
 
 
 def build_model(spec: RunSpec, device):
     """GPTModel + DDP + distributed optimizer for ``spec`` (parallel_state initialised).
 
-    Weights: ``gdn_harness.set_weights`` (seeded by parameter name, on the CPU), so every run
-    starts from the same weights on any device and CP/DP size (TP=1).
+    Weights: ``gdn_harness.set_weights`` (seeded by parameter name, on the CPU, each TP rank
+    its shard of the TP=1 values), so every run starts from the same weights on any device and
+    TP/CP/DP size.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = make_config(spec, device)
-    model = GPTModel(config, layer_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+    model = GPTModel(config, layer_spec(spec.sequence_parallel), vocab_size=VOCAB, max_sequence_length=SEQ,
                      position_embedding_type="none", share_embeddings_and_output_weights=False,
                      parallel_output=True).to(device)
-    H.set_weights(model)
+    H.set_weights(model, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=spec.tp)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                overlap_param_gather=False,
                                                use_distributed_optimizer=True)
@@ -420,13 +489,68 @@ def workaround_adam_step_after_load(optimizer, step: int) -> dict:
     return found
 
 
+def workaround_gdn_out_norm_grad_over_tp(model, spec: "RunSpec") -> bool:
+    """Problem 6: under TP each rank normalises its own value heads with GDN's ``out_norm``
+    (one weight of ``value_head_dim``, shared by every head), so each TP rank's gradient of that
+    weight holds only its heads' part. The weight is not ``tensor_model_parallel``, and
+    ``finalize_model_grads`` sums a replicated weight's gradient over TP only when it is marked
+    ``sequence_parallel`` *and* sequence parallelism is on; without sequence parallelism nothing
+    sums it: the TP ranks' ``out_norm`` weights get different updates and the optimizer's grad
+    norm counts TP rank 0's part only. Sums ``main_grad`` of every GDN ``out_norm`` parameter
+    over TP after the micro-batches' backward, before ``finalize_model_grads`` (TP > 1 without
+    sequence parallelism only; with it, :class:`SequenceParallelTorchNorm`'s mark does this).
+    Returns True when it summed."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    if spec.tp == 1 or spec.sequence_parallel:
+        return False
+    group = ps.get_tensor_model_parallel_group()
+    for m in model.modules():
+        if isinstance(m, GatedDeltaNet):
+            for p in m.out_norm.parameters():
+                g = p.main_grad if hasattr(p, "main_grad") else p.grad
+                dist.all_reduce(g, group=group)
+    return True
+
+
+@contextlib.contextmanager
+def dynamic_cp_init_on_cpu(device, dynamic: bool):
+    """gloo worlds: ``initialize_model_parallel(dynamic_context_parallel=True)`` ends with a
+    barrier on each dynamic subgroup with ``device_ids=[torch.cuda.current_device()]``, an NCCL
+    option (on a CPU host ``"cpu"`` under ``_world``'s CPU shim, which gloo's options reject);
+    in a gloo world the barrier runs without ``device_ids``. On a CPU host the
+    ``torch.cuda.synchronize()`` after it does nothing."""
+    if not dynamic or dist.get_backend() != "gloo":
+        yield
+        return
+    barrier = dist.barrier
+
+    def gloo_barrier(*a, device_ids=None, **k):
+        return barrier(*a, **k)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(dist, "barrier", gloo_barrier))
+        if device.type == "cpu" and not torch.cuda.is_available():
+            stack.enter_context(mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None))
+        yield
+
+
+class _NoRngFork:
+    """CPU hosts: stands in for the CUDA RNG tracker (``fork`` does nothing; no dropout)."""
+
+    def fork(self, *a, **k):
+        return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def cuda_literals_on_cpu(device):
     """CPU hosts only (never on a GPU): Megatron's optimizer, gradient clipping, DDP and
     dist_checkpointing allocate small tensors with ``device="cuda"`` / ``.cuda()`` literals and
     call ``torch.cuda.synchronize`` / streams, and check ``param.type()`` against
-    ``torch.cuda.*Tensor``. On a host without CUDA those land on the CPU and
-    the stream calls do nothing; nothing else changes. (``_world.install_cpu_device_shim``
+    ``torch.cuda.*Tensor``; the sequence-parallel embedding forks the CUDA RNG tracker. On a host
+    without CUDA those land on the CPU, the stream calls and the fork do nothing; nothing else
+    changes. (``_world.install_cpu_device_shim``
     already answers ``torch.cuda.current_device()`` with ``"cpu"``.)"""
     if device.type != "cpu" or torch.cuda.is_available():
         yield
@@ -470,6 +594,12 @@ def cuda_literals_on_cpu(device):
         stack.enter_context(mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None))
         stack.enter_context(mock.patch.object(torch.cuda, "current_stream", lambda *a, **k: _Stream()))
         stack.enter_context(mock.patch.object(torch.cuda, "Stream", _Stream))
+        # sequence parallelism: the embedding's dropout runs inside the CUDA RNG tracker's
+        # fork, whose state model_parallel_cuda_manual_seed (CUDA only) adds; dropout is 0
+        # here, so on a CPU host the fork is a no-op
+        import megatron.core.tensor_parallel as tpar
+
+        stack.enter_context(mock.patch.object(tpar, "get_cuda_rng_tracker", lambda *a, **k: _NoRngFork()))
         yield
 
 
@@ -534,6 +664,9 @@ def spy_model_paths(model):
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     counts: Dict[str, int] = {}
     spies = {m.layer_number: H.PathSpy(counts=counts) for m in layers}
+    inputs: Dict[int, List[int]] = {m.layer_number: [] for m in layers}
+    for n, spy in spies.items():
+        spy.input_tokens = inputs[n]  # tokens of each forward's hidden_states, this rank
     current = [None]  # the GDN layer whose forward is running (conv calls happen inside it)
     mods = {"gdn": gdn, "gcp": gcp}
     with contextlib.ExitStack() as stack:
@@ -575,6 +708,7 @@ def spy_model_paths(model):
 
             def enter(mod, args, __n=m.layer_number):
                 current[0] = __n
+                inputs[__n].append(int(args[0].shape[0]))  # hidden_states [s, b, h]
 
             def leave(mod, args, output):
                 current[0] = None
@@ -584,34 +718,62 @@ def spy_model_paths(model):
         yield spies
 
 
-def check_model_paths(spies, spec: RunSpec, mb: MicroBatch) -> dict:
-    """Every GDN layer took ``spec.mode``'s path (``gdn_harness.expected_path``)."""
+@contextlib.contextmanager
+def count_new_groups():
+    """Record ``torch.distributed.new_group`` calls (dynamic CP must create no process group
+    while it trains: the subgroups exist from ``initialize_model_parallel``). Yields the list
+    of calls; the calls still go through."""
+    import torch.distributed.distributed_c10d as c10d
+
+    calls: List[int] = []
+    orig = c10d.new_group
+
+    def counted(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    with mock.patch.object(dist, "new_group", counted), mock.patch.object(c10d, "new_group", counted):
+        yield calls
+
+
+def check_model_paths(spies, spec: RunSpec, mb: MicroBatch, cp: Optional[int] = None) -> dict:
+    """Every GDN layer took ``spec.mode``'s path (``gdn_harness.expected_path``; under TP each
+    rank's scan sees its ``1/tp`` of the heads) and got ``SEQ / cp`` tokens (``/ tp`` more under
+    sequence parallelism). ``cp``: the CP size the micro-batches ran on (default ``spec.cp``;
+    a dynamic-CP subgroup's size)."""
+    cp = spec.cp if cp is None else cp
     geom = GEOMETRIES[spec.geometry]
     case = H.Case("train", SEQ, mb.cu_padded, mb.valid) if mb.cu_padded else H.Case("train", SEQ)
-    expect = expected_tree_path(spec, geom, case)
-    if spec.tp > 1 and expect["heads"] == geom.v_heads:
-        expect = {**expect, "heads": geom.v_heads // spec.tp}
-    elif spec.tp > 1:
+    expect = expected_tree_path(spec, geom, case, cp)
+    if spec.tp > 1:  # each TP rank scans its own value heads (after the CP split, headwise)
         expect = {**expect, "heads": expect["heads"] // spec.tp}
     per_layer = {str(n): H.check_path(s, expect) for n, s in sorted(spies.items())}
-    for rec in per_layer.values():
+    # the layer's input: this rank's CP share, and under sequence parallelism its 1/TP of it
+    want = SEQ // cp // (spec.tp if spec.sequence_parallel else 1)
+    for n, s in sorted(spies.items()):
+        rec = per_layer[str(n)]
         rec.pop("seen", None)
+        bad = sorted(set(t for t in s.input_tokens if t != want))
+        if bad or not s.input_tokens:
+            rec["passed"] = False
+            rec["problems"].append(f"layer input had {bad or 'no'} tokens, expected {want}")
     tree = check_tree_names(spies, spec)
     return {"passed": bool(per_layer) and all(r["passed"] for r in per_layer.values())
             and tree["passed"], "layers": per_layer, "tree": tree}
 
 
-def expected_tree_path(spec: RunSpec, geom, case) -> dict:
+def expected_tree_path(spec: RunSpec, geom, case, cp: Optional[int] = None) -> dict:
     """``gdn_harness.expected_path`` of ``spec.mode`` for the patched tree. The base tree's GDN
     has one path: every forward goes through its headwise all-to-alls
     (``tensor_a2a_cp2hp``/``hp2cp``: identities at CP=1), the scan and conv see the whole
     sequence with all value heads over CP and no ``cp_context``; the patch's other names do not
     exist there (:func:`check_tree_names`)."""
+    cp = spec.cp if cp is None else cp
     if spec.tree != "base":
-        return H.expected_path(spec.mode, spec.cp, geom, case)
+        return H.expected_path(spec.mode, cp, geom, case)
     called = {q: q in H.SPIED["headwise"] for names in H.SPIED.values() for q in names}
     return {"called": called, "cp_context": False, "tokens": case.length,
-            "heads": geom.v_heads // spec.cp}
+            "heads": geom.v_heads // cp}
 
 
 def check_tree_names(spies, spec: RunSpec) -> dict:
@@ -726,7 +888,13 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
         from fla_emulation import emulated_fla_in_megatron
 
         stack.enter_context(emulated_fla_in_megatron())
-    ps.initialize_model_parallel(tensor_model_parallel_size=spec.tp, context_parallel_size=spec.cp)
+    if spec.dynamic_cp and (spec.tp, spec.dp, spec.layout) != (1, 1, "thd"):
+        raise ValueError(f"{spec.name}: dynamic CP runs are TP=1, DP=1, THD; got TP={spec.tp}, "
+                         f"DP={spec.dp}, {spec.layout}")
+    dyn_kw = {"dynamic_context_parallel": True} if spec.dynamic_cp else {}
+    with dynamic_cp_init_on_cpu(device, spec.dynamic_cp):
+        ps.initialize_model_parallel(tensor_model_parallel_size=spec.tp,
+                                     context_parallel_size=spec.cp, **dyn_kw)
     if device.type == "cuda":  # the RNG tracker recompute's checkpoint saves and restores
         from megatron.core import tensor_parallel
 
@@ -758,12 +926,22 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
                 optimizer.zero_grad()
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 tokens = torch.zeros((), dtype=torch.int64, device=device)
-                with spy_model_paths(model.module) as spies:
-                    for j, i in enumerate(idxs):
+                if spec.dynamic_cp:  # (index, CP size, subgroup, rank in it), this rank's
+                    work = [(i, n, ps.get_dynamic_data_context_parallel_groups(group_size=n), r)
+                            for i, n, r in dynamic_assignments(cp_rank, spec.cp)]
+                else:
+                    work = [(i, spec.cp, None, cp_rank) for i in idxs]
+                mb_paths = []
+                with spy_model_paths(model.module) as step_spies, count_new_groups() as created:
+                    for j, (i, size, group, rank_in) in enumerate(work):
                         mb = micro_batch(step, i, spec.layout)
-                        idx = rank_indices(mb, spec.cp, cp_rank, spec.tree)
-                        psp = packed_seq_params(mb, device)
-                        with model.no_sync() if j < len(idxs) - 1 else contextlib.nullcontext():
+                        idx = rank_indices(mb, size, rank_in, spec.tree)
+                        psp = packed_seq_params(mb, device, cp_group=group,
+                                                local_cp_size=size if group is not None else None)
+                        mb_spies = (contextlib.nullcontext(step_spies) if not spec.dynamic_cp
+                                    else spy_model_paths(model.module))
+                        with mb_spies as spies, (model.no_sync() if j < len(work) - 1
+                                                 else contextlib.nullcontext()):
                             per_tok = model(mb.tokens[idx][None].to(device),
                                             mb.position_ids[idx][None].to(device), None,
                                             labels=mb.labels[idx][None].to(device),
@@ -771,9 +949,15 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
                             m = mb.loss_mask[idx][None].to(device)
                             loss = (per_tok.float() * m).sum()
                             loss.backward()
+                        if spec.dynamic_cp:  # the path of the subgroup size it ran on
+                            mb_paths.append({"index": i, "cp": size,
+                                             **check_model_paths(spies, spec, mb, cp=size)})
                         loss_sum += loss.detach().double()
                         tokens += int(m.sum())
                 num_tokens = tokens.clone()
+                if not _NO_OUT_NORM_WORKAROUND:
+                    out["workarounds"]["gdn_out_norm_grad_over_tp"] = (
+                        workaround_gdn_out_norm_grad_over_tp(model.module, spec))
                 finalize_model_grads([model], num_tokens)  # all-reduces num_tokens over DP x CP
                 ok, grad_norm, _ = optimizer.step()
                 dist.all_reduce(loss_sum, group=dp_cp)
@@ -782,7 +966,13 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
                        "update_successful": bool(ok)}
                 rec["finite"] = math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])
                 out["steps"].append(rec)
-                out["paths"].append(check_model_paths(spies, spec, mb))
+                if spec.dynamic_cp:
+                    path = {"passed": bool(mb_paths) and all(p["passed"] for p in mb_paths)
+                            and not created, "micro_batches": mb_paths,
+                            "new_group_calls": len(created)}
+                else:
+                    path = check_model_paths(step_spies, spec, mb)
+                out["paths"].append(path)
                 if spec.save_at == step:
                     save_checkpoint(os.path.join(ckpt_root, spec.save_name), model, optimizer,
                                     step, dp_cp)
