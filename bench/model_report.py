@@ -117,15 +117,15 @@ def tables(runs: list) -> str:
            "`attach`); `before`: every GDN layer gets a `PackedSeqParams` of its own, as the patched tree "
            "made one host copy per layer before issue 24 (emulated on this tree). Counts are total "
            "(forward/backward).", ""]
-    out += ["| tree | mode | CP | layout | recompute | L | tokens | fresh | attached | attach | before | sites |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out += ["| tree | mode | CP | layout | recompute | L | round | tokens | fresh | attached | attach | before | sites |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         if r.get("host_syncs") is None or r["mode"] == "ideal":
             continue
         att, bef = r.get("host_syncs_attached"), r.get("host_syncs_before")
         sites = ", ".join(f"`{k}` {v}" for k, v in sorted((r.get("host_syncs") or {}).get("sites", {}).items()))
         out.append(f"| {r['tree']} | {r['mode']} | {r['cp']} | {r['layout']} | {r['recompute']} | {r['layers']} | "
-                   f"{r.get('tokens', '-')} | {_syncs(r)} | {att['total'] if att else '-'} | "
+                   f"{r.get('round', 1)} | {r.get('tokens', '-')} | {_syncs(r)} | {att['total'] if att else '-'} | "
                    f"{r.get('attach_syncs', '-')} | {bef['total'] if bef else '-'} | {sites} |")
     out += ["", "## CP=1 tokens/s and peak memory, patched (chunkwise) against the old image", "",
             "Each round is one process per tree, the rounds alternating which tree runs first; tokens/s "
@@ -156,7 +156,7 @@ def plot(runs: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(15, 4.8))
     tps: dict = {}
     syncs: dict = {}
     for r in runs:
@@ -181,7 +181,7 @@ def plot(runs: list, path: Path) -> None:
     b.set(xlabel="GDN layers L", ylabel="host syncs per micro-batch", yscale="symlog",
           title="host syncs (solid: fresh; dashed: before issue 24, emulated)")
     a.legend(fontsize=6)
-    b.legend(fontsize=5, ncol=2)
+    b.legend(fontsize=5, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
