@@ -116,14 +116,9 @@ GATES.update({
     # (the resume_same gate)
     "upgrade_cpu": GATES["resume_same"],
     # GPU: FLA 0.4.1 (base) and 0.4.2 (patched) are other kernels for the same math (another
-    # rounding order): the CP-vs-reference early bands, and late bands 3x the widest spread
-    # the GPU's equivalent CP=1 configurations showed (the "next run" bands of the first job)
-    "upgrade_gpu": [
-        {"upto": 1, "loss_rel": 1e-5, "grad_norm_rel": 1e-4},
-        {"upto": 5, "loss_rel": 1e-4, "grad_norm_rel": 1e-2},
-        {"upto": 10, "loss_rel": 1e-2, "grad_norm_rel": 1.5},
-        {"upto": 30, "loss_rel": 0.1, "grad_norm_rel": 45.0},
-    ],
+    # rounding order): the CP-vs-reference bands of the second set (early bands unchanged, late
+    # bands 3x the widest spread the GPU's equivalent CP=1 configurations showed), by name
+    "upgrade_gpu": GATES["cp_vs_ref"],
 })
 GATES_IN_FORCE = ("second set: frozen in docs/training.md before the second GPU job, "
                   "in the code from the third")

@@ -9,13 +9,17 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_gdn_model", ROOT / "bench" / "gdn_model.py")
+def _load_bench_script(name, filename):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / filename)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load_bench_script("bench_gdn_model", "gdn_model.py")
 
 
 def test_defaults_are_the_issue_geometry_and_matrix(bench):
@@ -153,11 +157,7 @@ def test_growth_per_layer_is_the_slope_between_smallest_and_largest_L(bench):
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location("bench_model_report", ROOT / "bench" / "model_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return _load_bench_script("bench_model_report", "model_report.py")
 
 
 def test_report_pairs_cp1_rounds_by_tree_and_keeps_ideal_runs_apart(report):
