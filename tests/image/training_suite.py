@@ -123,7 +123,10 @@ GATES.update({
 GATES_IN_FORCE = ("second set: frozen in docs/training.md before the second GPU job, "
                   "in the code from the third")
 
-TIERS = {"cpu": {"steps": 4, "save_at": 2}, "full": {"steps": 30, "save_at": 20}}
+# "interpret": the real FLA 0.4.2 kernels on CPU under Triton's interpreter (``--device
+# interpret``, TRITON_INTERPRET=1), 2 steps (the loss must fall); opt-in, minutes per run
+TIERS = {"cpu": {"steps": 4, "save_at": 2}, "full": {"steps": 30, "save_at": 20},
+         "interpret": {"steps": 2, "save_at": None}}
 
 
 def matrix(tier: str) -> List[dict]:
@@ -138,6 +141,10 @@ def matrix(tier: str) -> List[dict]:
     def add(spec, *compare):
         runs.append({"spec": spec, "compare": list(compare)})
 
+    if tier == "interpret":  # the real kernels: CP=2 chunkwise THD against CP=1, nothing more
+        add(R("cp1/thd/ref", cp=1, steps=steps))
+        add(R("cp2/thd/chunkwise", cp=2, steps=steps), ("cp_vs_ref", "cp1/thd/ref"))
+        return runs
     if tier == "cpu":
         add(R("cp1/thd/ref", cp=1, mode="chunkwise", steps=steps, save_at=save_at, save_name="cp1-thd"))
         add(R("cp1/sbhd/ref", cp=1, layout="sbhd", steps=steps))
@@ -265,6 +272,13 @@ def _worker(rank, world, spec, ckpt_root, device_kind, tree_dir=None):
 
             fla_gloo.install()
         device = torch.device("cuda", dev)
+    elif device_kind == "interpret":  # FLA's real kernels on CPU (test-side shims only)
+        import fla_gloo
+        import fla_interpret
+
+        fla_interpret.install()
+        fla_gloo.install()
+        device = torch.device("cpu")
     else:
         device = torch.device("cpu")
     return T.train(rank, world, spec, device, ckpt_root, emulate=device_kind == "cpu",
@@ -659,7 +673,9 @@ def main(argv=None) -> int:
     ap.add_argument("command", choices=["run", "summarise", "plot", "pack", "list", "one"])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--tier", choices=list(TIERS), default="full")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    ap.add_argument("--device", choices=["cpu", "cuda", "interpret"], default="cuda",
+                    help="cpu: FLA stand-ins; cuda: the GPU; interpret: FLA's real kernels on CPU "
+                    "under Triton's interpreter (TRITON_INTERPRET=1 set before Python starts)")
     ap.add_argument("--select", help="regex on run names (their checkpoint runs are added)")
     ap.add_argument("--jobs", type=int, default=int(os.environ.get("GDN_TRAINING_JOBS", 4)))
     ap.add_argument("--budget", type=float, default=float(os.environ.get("GDN_TRAINING_BUDGET", 3600)))
@@ -669,6 +685,12 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", help="one: the run's RunSpec as JSON")
     ap.add_argument("--timeout", type=float, default=600.0, help="one: seconds for its world")
     args = ap.parse_args(argv)
+    if args.device == "interpret" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("training_suite.py: --device interpret needs TRITON_INTERPRET=1 set before Python "
+              "starts (triton reads it at import); run TRITON_INTERPRET=1 FLA_CACHE_RESULTS=0 "
+              "python tests/image/training_suite.py run --tier interpret --device interpret "
+              "--out DIR", file=sys.stderr)
+        return 2
     if args.command == "one":  # a single run in this process's world (execute starts these)
         rec = run_one(T.RunSpec(**json.loads(args.spec)), args.out, args.work, args.device,
                       args.timeout)
