@@ -175,6 +175,8 @@ def parse_args(argv=None):
             p.error(f"{flag} {T} is not divisible by 2*CP for CP {bad}")
     if os.path.isfile(args.out):
         p.error(f"--out {args.out} is a file; give a directory")
+    if os.path.islink(args.out) and not os.path.exists(args.out):
+        p.error(f"--out {args.out} is a link to nothing ({os.readlink(args.out)}); give a directory")
     return args
 
 

@@ -307,3 +307,10 @@ def test_round_offset_names_an_input_by_any_spelling_of_its_path(report, tmp_pat
     monkeypatch.setattr(report, "load", lambda j, l, o=None: seen.setdefault("runs", orig(j, l, o)))
     assert report.main(["a.json", "--outdir", "o", "--round-offset", "./a.json=2"]) in (0, None)
     assert [r["round"] for r in seen["runs"]] == [3]
+
+
+def test_out_must_not_be_a_dangling_link(bench, tmp_path, capsys):
+    (tmp_path / "o").symlink_to(tmp_path / "gone")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", str(tmp_path / "o")])
+    assert "is a link to nothing" in capsys.readouterr().err
