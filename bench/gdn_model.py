@@ -141,7 +141,9 @@ def parse_args(argv=None):
                        if k not in ("no_profile",)) + " (options given explicitly still win)")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON job (internal)
-    if "--matrix" in (argv if argv is not None else sys.argv[1:]):
+    # a first pass finds --matrix however it is spelled (argparse takes --matr for it); the
+    # preset then becomes the defaults, so options given explicitly still win
+    if p.parse_known_args(argv)[0].matrix:
         p.set_defaults(**MATRIX_DEFAULTS)
     args = p.parse_args(argv)
     if args.count_tokens is None:
@@ -160,8 +162,10 @@ def parse_args(argv=None):
         args.tokens, args.hidden, args.ffn_hidden, args.head_dim = 256, 128, 256, 32
         args.key_heads, args.value_heads = 4, 8
         args.count_tokens = min(args.count_tokens, args.tokens)
-    for flag, T in (("--tokens", args.tokens), ("--count-tokens", args.count_tokens)):
-        if "thd" in args.layouts:
+    # --tokens feeds the timed launches (--timed-layouts), --count-tokens the count-only ones
+    for flag, T, layouts in (("--tokens", args.tokens, args.layouts + args.timed_layouts),
+                             ("--count-tokens", args.count_tokens, args.layouts)):
+        if "thd" in layouts:
             bad = [P for P in args.cp if T % args.samples or (T // args.samples) % (2 * P)]
             if bad:
                 p.error(f"{flag} {T} as --samples {args.samples} does not split into 2*CP chunks "
@@ -171,6 +175,8 @@ def parse_args(argv=None):
             p.error(f"{flag} {T} is not divisible by 2*CP for CP {bad}")
     if os.path.isfile(args.out):
         p.error(f"--out {args.out} is a file; give a directory")
+    if os.path.islink(args.out) and not os.path.exists(args.out):
+        p.error(f"--out {args.out} is a link to nothing ({os.readlink(args.out)}); give a directory")
     return args
 
 
@@ -615,16 +621,47 @@ def _launch(args, job, part, argv, timeout):
     print(f"gdn_model: launch {job['name']} ({job['world']} rank(s), at most {timeout:.0f} s)",
           file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:  # a driver SIGTERM'd by its host ends the launch first (below), then exits 143
+        prev = signal.signal(signal.SIGTERM, _sigterm_exits)
+    except ValueError:  # not the main thread: no handler of ours
+        prev = None
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it on to its workers
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _end_session(proc)
         return 124
+    except BaseException:
+        # Ctrl-C or SIGTERM on the driver: its own session keeps the launch out of the
+        # terminal's signals, so end it here rather than leave ranks running on the GPU
+        _end_session(proc)
+        raise
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGTERM, prev)
+
+
+def _sigterm_exits(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _killpg(pgid, sig):
+    """``os.killpg`` that ignores a group already gone (it exited as its limit passed)."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _end_session(proc):
+    """SIGTERM to the launch's process group (torchrun passes it on to its workers), 20 s to
+    exit, then SIGKILL to whatever of the group is left (a rank torchrun left behind)."""
+    _killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
+    _killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def main(argv=None):
@@ -668,8 +705,9 @@ def main(argv=None):
             timeout = min(timeout, left)
         started = time.monotonic()
         # the workers start no run later than this (wall clock: they are other processes); the
-        # margin is one L=8 micro-batch set at 32768 tokens
-        job = dict(job, stop_at=time.time() + timeout - 45)
+        # margin is one L=8 micro-batch set at 32768 tokens, at most a quarter of a short limit
+        # (a limit under 45 s would otherwise start nothing at all)
+        job = dict(job, stop_at=time.time() + timeout - min(45.0, timeout / 4))
         code = _launch(args, job, part, argv, timeout)
         result["meta"].setdefault("launch_s", {})[job["name"]] = round(time.monotonic() - started, 1)
         if code:

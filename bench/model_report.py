@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import re
 from pathlib import Path
 
@@ -195,11 +196,17 @@ def main(argv=None) -> int:
                     help="add N to the CP=1 rounds of the runs in JSON (one of the inputs)")
     args = ap.parse_args(argv)
     offsets = {}
+    inputs = {os.path.realpath(j): j for j in args.jsons}  # any spelling of an input's path
     for item in args.round_offset:
         path, _, n = item.rpartition("=")
-        if path not in args.jsons or not n.lstrip("-").isdigit():
-            ap.error(f"--round-offset {item!r}: give JSON=N with JSON one of the inputs")
-        offsets[path] = int(n)
+        try:
+            n = int(n)
+        except ValueError:
+            n = None
+        if n is None or os.path.realpath(path) not in inputs or not path:
+            ap.error(f"--round-offset {item!r}: give JSON=N with JSON one of the inputs "
+                     f"({', '.join(args.jsons)}) and N an integer")
+        offsets[inputs[os.path.realpath(path)]] = n
     runs = load(args.jsons, args.lines, offsets)
     args.outdir.mkdir(parents=True, exist_ok=True)
     (args.outdir / "summary.md").write_text(tables(runs))

@@ -402,3 +402,103 @@ def test_tp_shard_takes_each_ranks_part_of_every_block():
     back = torch.cat([torch.cat([a, b]) for a, b in zip(torch.split(r0, [1, 1, 2]),
                                                           torch.split(r1, [1, 1, 2]))])
     assert torch.equal(back, full)
+
+
+# ---- hostile-user checks of pack and --select (h-hostile) -----------------------------
+
+
+def _results_dir(root):
+    for rel, text in (("runs/b.json", "{}\n"), ("runs/a.json", "[]\n"), ("plots/x.png", "png"),
+                      ("summary.json", "{}\n")):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_pack_again_after_remove_keeps_the_archive(tmp_path):
+    """A second ``pack`` (tools/gpu-training run twice, or by hand) after ``--remove`` found no
+    folders and wrote an empty archive over the full one: the folders not on disk keep their
+    members from the archive there, so packing is idempotent."""
+    need_tree()
+    import tarfile
+
+    import training_suite as S
+
+    first = S.pack(_results_dir(tmp_path), remove=True).read_bytes()
+    assert S.pack(tmp_path).read_bytes() == first
+    assert S.pack(tmp_path, remove=True).read_bytes() == first
+    # only plots/ on disk again (a `plot` after unpacking runs/ elsewhere): runs/ stays packed
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "y.png").write_text("png2")
+    with tarfile.open(S.pack(tmp_path)) as tar:
+        assert tar.getnames() == ["plots/y.png", "runs/a.json", "runs/b.json"]
+
+
+def test_pack_with_nothing_to_pack_is_an_error_naming_the_dir(tmp_path, capsys):
+    need_tree()
+    import training_suite as S
+
+    with pytest.raises(FileNotFoundError, match="no runs/ or plots/"):
+        S.pack(tmp_path)
+    assert not (tmp_path / S.ARCHIVE).exists()
+    f = tmp_path / "file"
+    f.write_text("")
+    for out in (tmp_path, f, tmp_path / "missing"):
+        assert S.main(["pack", "--out", str(out)]) == 2
+        assert str(out) in capsys.readouterr().err
+
+
+def test_a_pack_that_fails_midway_leaves_the_archive_and_no_temporary(tmp_path, monkeypatch):
+    """Atomic: the archive is replaced whole or not at all, and a failed or killed pack leaves
+    no temporary behind (a device host returns at most 8 files); two packs at once write
+    temporaries of their own."""
+    need_tree()
+    import gzip
+
+    import training_suite as S
+
+    before = S.pack(_results_dir(tmp_path)).read_bytes()
+    (tmp_path / "runs" / "c.json").write_text("{}\n")
+
+    def boom(self, data):
+        raise OSError("disk full")
+    monkeypatch.setattr(gzip.GzipFile, "write", boom)
+    with pytest.raises(OSError, match="disk full"):
+        S.pack(tmp_path)
+    assert (tmp_path / S.ARCHIVE).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([S.ARCHIVE, "plots", "runs", "summary.json"])
+
+
+def test_two_packs_at_once_use_temporaries_of_their_own(tmp_path, monkeypatch):
+    need_tree()
+    import os
+
+    import training_suite as S
+
+    seen = []
+    real = os.replace
+
+    def spy(src, dst):
+        seen.append(str(src))
+        return real(src, dst)
+    monkeypatch.setattr(S.os, "replace", spy)
+    monkeypatch.setattr(S.Path, "replace", lambda self, dst: spy(self, dst))
+    S.pack(_results_dir(tmp_path))
+    S.pack(tmp_path)
+    assert len(seen) == 2 and seen[0] != seen[1]
+    assert os.stat(tmp_path / S.ARCHIVE).st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("select, message", [("nomatch_xyz", "matches no run"),
+                                             ("(", "not a regular expression")])
+def test_a_select_that_matches_nothing_or_is_no_regex_exits_2(tmp_path, select, message, capsys):
+    """``--select`` (GDN_TRAINING_SELECT) with a typo ran nothing and passed (exit 0)."""
+    need_tree()
+    import training_suite as S
+
+    for cmd in ("list", "run", "summarise"):
+        assert S.main([cmd, "--out", str(tmp_path), "--tier", "cpu", "--device", "cpu",
+                       "--select", select]) == 2
+        err = capsys.readouterr().err
+        assert message in err and repr(select) in err
+    assert not (tmp_path / "summary.json").exists()

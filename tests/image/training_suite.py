@@ -624,47 +624,67 @@ ARCHIVE = "training-results.tgz"
 def pack(out: Path, folders=("runs", "plots"), remove: bool = False) -> Path:
     """Pack ``out/<folder>/**`` of ``folders`` into ``out/training-results.tgz``, deterministic:
     paths sorted, every member a plain file with mtime 0, uid/gid 0, mode 0644, no user names,
-    gzip header mtime 0. Missing folders are skipped (no plots without matplotlib). ``remove``:
-    delete the packed folders once the archive is written and read back with every member
-    (a device host returns at most 8 files: the archive must not compete with its contents).
-    Returns the archive's path.
+    gzip header mtime 0. A folder not on disk keeps its members from the archive already there
+    (packing again after ``remove`` gives the same bytes); one in neither is skipped (no plots
+    without matplotlib). The archive is written to a temporary of its own and renamed over
+    ``out/training-results.tgz``: replaced whole or not at all, and two packs at once never
+    share a file. ``remove``: delete the packed folders once the archive is written and read
+    back with every member (a device host returns at most 8 files: the archive must not
+    compete with its contents). Returns the archive's path.
 
     Raises:
-        FileNotFoundError: ``out`` is not a directory.
+        FileNotFoundError: ``out`` is not a directory, or it has none of ``folders`` and no
+            archive.
     """
     import gzip
     import io
     import tarfile
+    import tempfile
 
     if not out.is_dir():
         raise FileNotFoundError(f"pack: {out} is not a directory (run `training_suite.py run --out {out}` first)")
-    files = sorted(p for f in folders if (out / f).is_dir() for p in (out / f).rglob("*") if p.is_file())
+    dest = out / ARCHIVE
+    on_disk = [f for f in folders if (out / f).is_dir()]
+    members = {p.relative_to(out).as_posix(): p.read_bytes()
+               for f in on_disk for p in (out / f).rglob("*") if p.is_file()}
+    kept = [f for f in folders if f not in on_disk]
+    if kept and dest.is_file():  # already packed (and removed): keep those members
+        with tarfile.open(dest) as tar:
+            for m in tar.getmembers():
+                if m.isfile() and m.name.split("/", 1)[0] in kept:
+                    members[m.name] = tar.extractfile(m).read()
+    if not members and not on_disk:
+        raise FileNotFoundError(f"pack: no {' or '.join(f + '/' for f in folders)} in {out} and no {ARCHIVE} "
+                                f"holding them: nothing to pack")
+    want = sorted(members)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for p in files:
-            data = p.read_bytes()
-            info = tarfile.TarInfo(p.relative_to(out).as_posix())
+        for name in want:
+            data = members[name]
+            info = tarfile.TarInfo(name)
             info.size, info.mtime, info.mode = len(data), 0, 0o644
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             tar.addfile(info, io.BytesIO(data))
-    dest = out / ARCHIVE
-    tmp = dest.with_suffix(".tgz.tmp")
-    with open(tmp, "wb") as fh, gzip.GzipFile(filename="", mode="wb", fileobj=fh, mtime=0) as gz:
-        gz.write(buf.getvalue())
-    tmp.replace(dest)
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{ARCHIVE}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh, gzip.GzipFile(filename="", mode="wb", fileobj=fh, mtime=0) as gz:
+            gz.write(buf.getvalue())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     if remove:
         import shutil
 
         with tarfile.open(dest) as tar:
             names = tar.getnames()
-        want = [p.relative_to(out).as_posix() for p in files]
         if names != want:
             raise RuntimeError(f"pack: {dest} holds {len(names)} members, expected {len(want)}; "
                                f"the folders {', '.join(folders)} of {out} were kept")
-        for f in folders:
-            if (out / f).is_dir():
-                shutil.rmtree(out / f)
+        for f in on_disk:
+            shutil.rmtree(out / f)
     return dest
 
 
@@ -700,11 +720,26 @@ def main(argv=None) -> int:
             print(p)
         return 0
     if args.command == "pack":
-        print(pack(args.out, remove=args.remove))
+        try:
+            print(pack(args.out, remove=args.remove))
+        except (OSError, RuntimeError) as exc:
+            msg = str(exc)
+            print(f"training_suite.py {msg if msg.startswith('pack:') else 'pack: ' + msg}", file=sys.stderr)
+            return 2
         return 0
     runs = matrix(args.tier)
     if args.select:
-        keep = {r["spec"].name for r in runs if re.search(args.select, r["spec"].name)}
+        try:
+            pattern = re.compile(args.select)
+        except re.error as exc:
+            print(f"training_suite.py: --select {args.select!r} is not a regular expression ({exc})",
+                  file=sys.stderr)
+            return 2
+        keep = {r["spec"].name for r in runs if pattern.search(r["spec"].name)}
+        if not keep:  # a typo would run nothing and pass
+            print(f"training_suite.py: --select {args.select!r} matches no run of the {args.tier} tier "
+                  f"(`training_suite.py list --out DIR --tier {args.tier}` names them)", file=sys.stderr)
+            return 2
         savers = {r["spec"].save_name: r["spec"].name for r in runs if r["spec"].save_name}
         for r in runs:
             if r["spec"].name in keep:

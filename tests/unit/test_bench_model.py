@@ -182,3 +182,135 @@ def test_report_reads_a_result_line_with_the_before_count(report, bench):
     got = report.from_line(bench._line(rec))
     assert got["host_syncs_before"] == {"total": 8} and got["host_syncs_attached"] == {"total": 0}
     assert got["host_syncs"]["sites"] == {"megatron/x.py:3": 1} and got["timings_valid"] is False
+
+
+# ---- hostile-user checks (h-hostile) ---------------------------------------------------
+
+
+def test_an_abbreviated_matrix_flag_still_gets_the_matrix_defaults(bench):
+    # argparse accepts --matr for --matrix: the preset must follow the flag, not its spelling
+    a = bench.parse_args(["--matr"])
+    assert a.matrix and (a.rounds, a.deadline_s, a.count_tokens) == (2, 560, 8192)
+
+
+def test_thd_timed_layout_checks_tokens_even_when_layouts_has_no_thd(bench, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--layouts", "sbhd", "--timed-layouts", "thd", "--tokens", "1004", "--cp", "1"])
+    assert exc.value.code == 2
+    assert "--tokens 1004 as --samples 8 does not split" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout_s", [40, 240])
+def test_a_short_launch_limit_still_lets_the_workers_start_runs(bench, tmp_path, monkeypatch, timeout_s):
+    # stop_at was now + timeout - 45: a limit of 45 s or less meant no run ever started
+    seen = []
+
+    def fake_launch(args, job, part, argv, timeout):
+        seen.append((job["stop_at"] - bench.time.time(), timeout))
+        return 0
+    monkeypatch.setattr(bench, "_launch", fake_launch)
+    tree = tmp_path / "tree" / "megatron" / "core" / "ssm"
+    tree.mkdir(parents=True)
+    (tree / "gated_delta_net.py").write_text("")
+    bench.main(["--tree", str(tmp_path / "tree"), "--cp", "1", "--modes", "chunkwise",
+                "--timeout-s", str(timeout_s), "--out", str(tmp_path / "o")])
+    ((ahead, timeout),) = seen
+    assert timeout == timeout_s and 0.5 * timeout_s < ahead <= timeout_s - min(45, timeout_s / 4) + 1
+
+
+import subprocess as _subprocess
+
+_POPEN = _subprocess.Popen  # the tests below patch subprocess.Popen; their stand-ins use this
+
+
+class _Proc:
+    """A stand-in for the torchrun Popen: its own session running ``sleep``; ``wait`` raises
+    ``first`` once (KeyboardInterrupt: Ctrl-C on the driver)."""
+
+    def __init__(self, first):
+        self.real = _POPEN(["sleep", "60"], start_new_session=True)
+        self.pid, self.first = self.real.pid, first
+
+    def wait(self, timeout=None):
+        if self.first == "sigterm":  # the driver's host ends it
+            self.first = None
+            import os
+            import signal
+            os.kill(os.getpid(), signal.SIGTERM)
+            return self.real.wait(timeout)  # interrupted by the handler's SystemExit
+        if self.first is not None:
+            first, self.first = self.first, None
+            raise first
+        return self.real.wait(timeout)
+
+
+def test_ctrl_c_on_the_driver_kills_the_launch_session(bench, tmp_path, monkeypatch):
+    # the launch runs in a session of its own: Ctrl-C reaches only the driver, which must not
+    # leave torchrun and its ranks running on the GPU
+    procs = []
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda *a, **k: procs.append(_Proc(KeyboardInterrupt())) or procs[-1])
+    args = bench.parse_args(["--out", str(tmp_path)])
+    with pytest.raises(KeyboardInterrupt):
+        bench._launch(args, {"name": "j", "tree": "patched", "world": 1}, str(tmp_path / "p.json"), [], 5.0)
+    assert procs[0].real.wait(timeout=10) is not None
+
+
+def test_sigterm_on_the_driver_kills_the_launch_session_and_exits_143(bench, tmp_path, monkeypatch):
+    import signal
+    before = signal.getsignal(signal.SIGTERM)
+    procs = []
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda *a, **k: procs.append(_Proc("sigterm")) or procs[-1])
+    args = bench.parse_args(["--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as exc:
+        bench._launch(args, {"name": "j", "tree": "patched", "world": 1}, str(tmp_path / "p.json"), [], 30.0)
+    assert exc.value.code == 143
+    assert procs[0].real.poll() is not None  # ended, not left running
+    assert signal.getsignal(signal.SIGTERM) is before  # the driver's handler only while a launch runs
+
+
+def test_a_launch_that_exits_as_its_limit_passes_is_not_a_crash(bench, tmp_path, monkeypatch):
+    import subprocess
+
+    class Gone:  # exited (and reaped) between the wait's timeout and the kill
+        def __init__(self):
+            p = _POPEN(["true"], start_new_session=True)
+            p.wait()
+            self.pid, self.calls = p.pid, 0
+
+        def wait(self, timeout=None):
+            self.calls += 1
+            if self.calls == 1:
+                raise subprocess.TimeoutExpired("torchrun", timeout)
+            return 0
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda *a, **k: Gone())
+    args = bench.parse_args(["--out", str(tmp_path)])
+    assert bench._launch(args, {"name": "j", "tree": "patched", "world": 1}, str(tmp_path / "p.json"), [], 1.0) == 124
+
+
+@pytest.mark.parametrize("item", ["a.json=--5", "a.json=x", "a.json=", "b.json=1"])
+def test_round_offset_rejects_a_bad_count_or_path_naming_it(report, tmp_path, item, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.json").write_text('{"runs": []}')
+    with pytest.raises(SystemExit) as exc:
+        report.main(["a.json", "--outdir", "o", "--round-offset", item])
+    assert exc.value.code == 2 and f"--round-offset {item!r}" in capsys.readouterr().err
+
+
+def test_round_offset_names_an_input_by_any_spelling_of_its_path(report, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = {"tree": "patched", "mode": "chunkwise", "cp": 1, "layout": "thd", "recompute": "off", "layers": 2,
+           "tokens_per_s": 1.0, "timings_valid": True, "host_syncs": None}
+    (tmp_path / "a.json").write_text('{"runs": [%s]}' % __import__("json").dumps(run))
+    monkeypatch.setattr(report, "plot", lambda runs, path: None)
+    seen = {}
+    orig = report.load
+    monkeypatch.setattr(report, "load", lambda j, l, o=None: seen.setdefault("runs", orig(j, l, o)))
+    assert report.main(["a.json", "--outdir", "o", "--round-offset", "./a.json=2"]) in (0, None)
+    assert [r["round"] for r in seen["runs"]] == [3]
+
+
+def test_out_must_not_be_a_dangling_link(bench, tmp_path, capsys):
+    (tmp_path / "o").symlink_to(tmp_path / "gone")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", str(tmp_path / "o")])
+    assert "is a link to nothing" in capsys.readouterr().err
