@@ -3,7 +3,7 @@
 
 On the GPU host, from the repo root (one GPU; FLA wheels in .whl/fla042 and .whl/fla041)::
 
-    tools/bench-gdn --model --out results/bench/model
+    tools/bench-gdn --model --matrix --out "$OUT/model"
 
 which installs the wheels and runs ``python3 bench/gdn_model.py --fla041-site
 /tmp/gdn-site-041 --out results/bench/model``. The same, directly, when FLA 0.4.2 is
