@@ -73,10 +73,10 @@ wheels: .whl/fla042/.ok .whl/fla041/.ok  ## FLA 0.4.2 (patched tree) and 0.4.1 (
 gpu-bundle: wheels  ## dist/gdn-gpu-bundle.tgz: repo, both trees, patch, wheels, Triton caches.
 	tools/gpu-bundle
 
-gpu-suite:  ## On a 4-GPU host: the GPU part of the regression suite -> results/raw/gpu-suite.
+gpu-suite:  ## On a host with one GPU or more (4 ranks share them): the GPU part of the regression suite -> results/raw/gpu-suite.
 	tools/gpu-suite
 
-gpu-training:  ## On a GPU host: the training tier's full matrix -> results/training (docs/training.md).
+gpu-training:  ## On a GPU host: the training tier's full matrix -> results/raw/training (docs/training.md).
 	tools/gpu-training
 
 # ---- image (Dockerfile, docker-py) --------------------------------------------

@@ -74,9 +74,9 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # keep torch.compile'd helper
 
 import training as T  # noqa: E402
 
-# The first GPU run's gates (2026-12-02, results/training/): frozen before any CP>1 result was
+# The first GPU run's gates (2026-12-02, results/training/run1): frozen before any CP>1 result was
 # looked at, derived from the CPU's spread between equivalent CP=1 configurations
-# (docs/training.md). Kept for the record: the first and the second GPU job (results/training,
+# (docs/training.md). Kept for the record: the first and the second GPU job (results/training/run1,
 # results/training/run2) were judged by them (78 of 81 passed, each).
 # Bands both sets share: k=1 and k<=5 of CP vs reference, and the same-topology resume
 _EARLY_BANDS = [
