@@ -149,40 +149,74 @@ def tables(runs: list) -> str:
     return "\n".join(out) + "\n"
 
 
+_MODE_COLOR = {"old_headwise": "tab:red", "chunkwise": "tab:blue", "headwise": "tab:green",
+               "all_gather": "tab:purple"}
+
+
+def _join(values) -> str:
+    return "/".join(str(v) for v in sorted(set(values)))
+
+
+def sync_series(runs: list) -> list:
+    """Host-sync curves for the plot, identical curves merged: ``[{"ys": {L: syncs}, "before":
+    bool, "label"}]``, one per distinct curve, labelled with the trees, modes, CP sizes, layouts
+    and recompute settings that gave it (``before``: the emulated count before issue 24)."""
+    curves: dict = {}
+    for r in runs:
+        if r["mode"] == "ideal" or r.get("host_syncs") is None:
+            continue
+        k = (r["tree"], r["mode"], r["cp"], r["layout"], r["recompute"])
+        curves.setdefault((k, False), {})[r["layers"]] = r["host_syncs"]["total"]
+        if r.get("host_syncs_before"):
+            curves.setdefault((k, True), {})[r["layers"]] = r["host_syncs_before"]["total"]
+    merged: dict = {}
+    for (k, before), ys in curves.items():
+        if len(ys) < 2:  # one L only: no curve to draw
+            continue
+        merged.setdefault((tuple(sorted(ys.items())), before, k[0] == "base"), []).append(k)
+    out = []
+    for (ys, before, base), keys in sorted(merged.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        modes = _join("old image headwise" if m == "old_headwise" else m for _, m, _, _, _ in keys)
+        label = (f"{modes}{' (before issue 24)' if before else ''}, CP {_join(k[2] for k in keys)}, "
+                 f"{_join(k[3] for k in keys)}, recompute {_join(k[4] for k in keys)}")
+        out.append({"ys": dict(ys), "before": before, "base": base, "label": label})
+    return out
+
+
 def plot(runs: list, path: Path) -> None:
-    """``model.png``: CP=1 tokens/s (median over rounds) and host syncs per micro-batch (fresh;
-    dashed: ``before``) against L."""
+    """``model.png``: CP=1 tokens/s (median over rounds; colour: mode, dashed: recompute on,
+    squares: SBHD) and host syncs per micro-batch against L (identical curves merged into one,
+    labelled with every configuration that gave it; dashed: before issue 24, emulated)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(15, 4.8))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(15, 5.2))
     tps: dict = {}
-    syncs: dict = {}
     for r in runs:
-        if r["mode"] == "ideal":
-            continue
-        if r["cp"] == 1 and r.get("timings_valid"):
+        if r["mode"] != "ideal" and r["cp"] == 1 and r.get("timings_valid"):
             tps.setdefault((r["tree"], r["mode"], r["layout"], r["recompute"]), {}).setdefault(
                 r["layers"], []).append(r["tokens_per_s"])
-        if r.get("host_syncs") is not None:
-            k = (r["tree"], r["mode"], r["cp"], r["layout"], r["recompute"])
-            syncs.setdefault(k, {})[r["layers"]] = (r["host_syncs"]["total"],
-                                                    (r.get("host_syncs_before") or {}).get("total"))
     for (tree, mode, layout, rc), by_l in sorted(tps.items()):
         xs = sorted(by_l)
-        a.plot(xs, [_median(by_l[x]) for x in xs], marker="o", label=f"{mode} {layout} rc={rc}")
-    for (tree, mode, cp, layout, rc), by_l in sorted(syncs.items()):
-        xs = sorted(by_l)
-        line, = b.plot(xs, [by_l[x][0] for x in xs], marker="o", label=f"{mode} cp{cp} {layout} rc={rc}")
-        if all(by_l[x][1] is not None for x in xs):
-            b.plot(xs, [by_l[x][1] for x in xs], ls="--", color=line.get_color(), alpha=0.6)
-    a.set(xlabel="GDN layers L", ylabel="tokens/s (CP=1, median over rounds)", title="throughput, CP=1")
+        name = "old image headwise" if mode == "old_headwise" else mode
+        a.plot(xs, [_median(by_l[x]) for x in xs], color=_MODE_COLOR.get(mode, "tab:gray"),
+               ls="--" if rc == "on" else "-", marker="s" if layout == "sbhd" else "o",
+               label=f"{name}, {layout}, recompute {rc}")
+    # the old image in reds, the patched tree in the other colours (red reads "old")
+    patched_colors = iter([c for i, c in enumerate(plt.cm.tab10.colors * 3) if i % 10 != 3])
+    base_colors = iter(["tab:red", "darkred", "salmon"] * 4)
+    for c in sync_series(runs):
+        xs = sorted(c["ys"])
+        b.plot(xs, [c["ys"][x] for x in xs], marker="o", ls="--" if c["before"] else "-",
+               color=next(base_colors) if c["base"] else next(patched_colors), label=c["label"])
+    a.set(xlabel="GDN layers L", ylabel="tokens/s (CP=1, median over rounds)", yscale="log",
+          title="throughput, CP=1, one H200")
     b.set(xlabel="GDN layers L", ylabel="host syncs per micro-batch", yscale="symlog",
-          title="host syncs (solid: fresh; dashed: before issue 24, emulated)")
-    a.legend(fontsize=6)
-    b.legend(fontsize=5, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+          title="host syncs per micro-batch (CP>1: ranks sharing one GPU)")
+    a.legend(fontsize=7)
+    b.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

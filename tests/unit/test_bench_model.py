@@ -314,3 +314,25 @@ def test_out_must_not_be_a_dangling_link(bench, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", str(tmp_path / "o")])
     assert "is a link to nothing" in capsys.readouterr().err
+
+
+def test_plot_merges_identical_sync_curves_and_names_every_configuration(report):
+    def run(tree, mode, cp, L, total, before=None, layout="thd", rc="off"):
+        r = {"tree": tree, "mode": mode, "cp": cp, "layout": layout, "recompute": rc, "layers": L,
+             "host_syncs": {"total": total}}
+        if before is not None:
+            r["host_syncs_before"] = {"total": before}
+        return r
+    runs = [run("patched", "chunkwise", 1, 2, 2, 2), run("patched", "chunkwise", 1, 8, 1, 8),
+            run("patched", "headwise", 4, 2, 2), run("patched", "headwise", 4, 8, 1),
+            run("patched", "all_gather", 2, 2, 1, rc="on"), run("patched", "all_gather", 2, 8, 1, rc="on"),
+            run("base", "old_headwise", 2, 2, 71), run("base", "old_headwise", 2, 8, 274),
+            run("patched", "chunkwise", 2, 2, 0, layout="sbhd"),  # one L only: no curve
+            run("patched", "ideal", 1, 2, 2), run("patched", "ideal", 1, 8, 1)]  # ideal: not drawn
+    series = report.sync_series(runs)
+    assert [(s["ys"], s["before"], s["base"]) for s in series] == [
+        ({2: 1, 8: 1}, False, False), ({2: 2, 8: 1}, False, False), ({2: 2, 8: 8}, True, False),
+        ({2: 71, 8: 274}, False, True)]
+    assert series[1]["label"] == "chunkwise/headwise, CP 1/4, thd, recompute off"
+    assert series[2]["label"] == "chunkwise (before issue 24), CP 1, thd, recompute off"
+    assert series[3]["label"] == "old image headwise, CP 2, thd, recompute off"
