@@ -155,7 +155,9 @@ def _strip(name: str, prefix: str, carry: Path) -> Optional[str]:
     if name.startswith("/"):
         check_tree_path(name, None, ApplyError, what=f"carried patch {carry.name}: path", hint=_PATH_HINT)
     if not name.startswith(prefix):
-        raise CarryRefused(carry, name, "no-prefix", f"expected {prefix}...")
+        raise CarryRefused(carry, name, "no-prefix", f"expected {prefix}...", hint=(
+            "Regenerate it with plain `git diff` (not --no-prefix; svn/hg diffs name files without prefixes too), "
+            f"or write the ---/+++ names as a/<path> and b/<path>, paths relative to the base tree root."))
     return name[len(prefix):]
 
 

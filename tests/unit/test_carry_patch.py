@@ -735,3 +735,20 @@ def test_format_patch_series_changing_one_file_twice_says_to_squash(tmp_path):
     exc = _refused(carry, base)
     assert exc.reason == "twice" and "m.py" in str(exc)
     assert "git diff FIRST^ LAST" in exc.hint
+
+
+@pytest.mark.parametrize("dialect", ["git-no-prefix", "svn"])
+def test_paths_without_a_b_prefixes_are_refused_naming_the_file_and_the_fix(tmp_path, dialect):
+    """`git diff --no-prefix`, or an svn diff (`Index:` line, `(revision N)` after a tab): exit 6 naming the
+    file, the hint says to use plain `git diff` or write a/ and b/ names."""
+    base = {"m.py": F.encode()}
+    carry, _ = make_carry(tmp_path, base, lambda r: (r / "m.py").write_text(F.replace("x + 1", "x + 2", 1)),
+                          diff_args=("--no-prefix",))
+    if dialect == "svn":
+        body = carry.read_text().split("\n", 2)[2].replace("--- m.py", "--- m.py\t(revision 7)")
+        carry.write_text("Index: m.py\n" + "=" * 67 + "\n" + body.replace("+++ m.py", "+++ m.py\t(working copy)"))
+    base_dir = tmp_path / "base"
+    _write(base_dir / "m.py", F.encode())
+    exc = _refused(carry, base_dir)
+    assert exc.reason == "no-prefix" and ": m.py: " in str(exc), str(exc)
+    assert "--no-prefix" in exc.hint and "a/<path>" in exc.hint
