@@ -295,6 +295,9 @@ def _parse_error(path: Path, lines: list, exc: Exception) -> ApplyError:
                 hunk = f", in the hunk {heads[-1]!r}"
             elif len(heads) > 1:
                 hunk = f", after the hunk {heads[-2]!r}"
+    elif "shorter than expected" in msg:  # the patch ended inside a hunk: the last one
+        heads = [ln.rstrip("\r\n") for ln in lines if ln.startswith("@@ ")]
+        hunk = f" in its last hunk {heads[-1]!r}" if heads else ""
     return ApplyError(
         f"carried patch {path.name} cannot be parsed{where}{hunk}: {msg}; a hunk's @@ line counts do not match its "
         "lines (a hand edit changes them), or a line of a hunk does not start with ' ', '+', '-' or '\\' (an editor "

@@ -708,6 +708,7 @@ def _two_hunk_carry(tmp: Path) -> tuple[Path, Path]:
 @pytest.mark.parametrize("edit, line", [
     (lambda t: t.replace("@@ -4,3 +4,3 @@", "@@ -4,4 +4,4 @@", 1), "after the hunk '@@ -4,4 +4,4 @@"),
     (lambda t: t.replace("\n     return y\n", "\n\treturn y\n", 1), "in the hunk '@@ -4,3 +4,3 @@"),
+    (lambda t: t.replace("@@ -9,3 +9,3 @@", "@@ -9,5 +9,5 @@", 1), "in its last hunk '@@ -9,5 +9,5 @@"),
 ])
 def test_hand_edited_hunk_that_cannot_be_parsed_is_named_with_its_line_and_hunk(tmp_path, edit, line):
     """A hand edit leaving wrong @@ counts, or a tab where the leading space was: exit 6, the carry's line
@@ -720,7 +721,7 @@ def test_hand_edited_hunk_that_cannot_be_parsed_is_named_with_its_line_and_hunk(
         carried_tree(carry, base)
     assert exc.value.exit_code == 6
     msg = str(exc.value)
-    assert msg.startswith("carried patch carry.patch cannot be parsed at line ") and line in msg, msg
+    assert msg.startswith("carried patch carry.patch cannot be parsed ") and line in msg, msg
     assert "@@ line counts" in msg and "Recount" in exc.value.hint
 
 
