@@ -155,7 +155,9 @@ def _strip(name: str, prefix: str, carry: Path) -> Optional[str]:
     if name.startswith("/"):
         check_tree_path(name, None, ApplyError, what=f"carried patch {carry.name}: path", hint=_PATH_HINT)
     if not name.startswith(prefix):
-        raise CarryRefused(carry, name, "no-prefix", f"expected {prefix}...")
+        raise CarryRefused(carry, name, "no-prefix", f"expected {prefix}...", hint=(
+            "Regenerate it with plain `git diff` (not --no-prefix; svn/hg diffs name files without prefixes too), "
+            f"or write the ---/+++ names as a/<path> and b/<path>, paths relative to the base tree root."))
     return name[len(prefix):]
 
 
@@ -273,6 +275,37 @@ def _is_epoch(stamp: Optional[str]) -> bool:
     return when.timestamp() == 0
 
 
+def _parse_error(path: Path, lines: list, exc: Exception) -> ApplyError:
+    """The error for a carry unidiff cannot parse, naming the line (1-based in the carry) and
+    the hunk it belongs to when unidiff's message quotes it.
+
+    unidiff's messages end with the offending line (``Hunk diff line expected: <line>``,
+    ``Unexpected hunk found: <line>``); the usual causes are a hunk whose ``@@`` line counts no
+    longer match its lines (a hand edit) or a hunk line an editor changed (a tab or a stripped
+    leading space), so the message says both."""
+    msg = str(exc).rstrip("\n")
+    quoted = msg.split(": ", 1)[1] if ": " in msg else None
+    where, hunk = "", ""
+    if quoted:
+        at = [i for i, ln in enumerate(lines) if ln.rstrip("\r\n") == quoted.rstrip("\r\n")]
+        if at:
+            where = f" at line {at[0] + 1}"
+            heads = [ln.rstrip("\r\n") for ln in lines[:at[0] + 1] if ln.startswith("@@ ")]
+            if heads and heads[-1] != quoted.rstrip("\r\n"):
+                hunk = f", in the hunk {heads[-1]!r}"
+            elif len(heads) > 1:
+                hunk = f", after the hunk {heads[-2]!r}"
+    elif "shorter than expected" in msg:  # the patch ended inside a hunk: the last one
+        heads = [ln.rstrip("\r\n") for ln in lines if ln.startswith("@@ ")]
+        hunk = f" in its last hunk {heads[-1]!r}" if heads else ""
+    return ApplyError(
+        f"carried patch {path.name} cannot be parsed{where}{hunk}: {msg}; a hunk's @@ line counts do not match its "
+        "lines (a hand edit changes them), or a line of a hunk does not start with ' ', '+', '-' or '\\' (an editor "
+        "turned its leading space into a tab or removed it); refused before anything was written.",
+        hint="Recount the -start,count +start,count of that hunk's @@ line (GNU `rediff` or `recountdiff` do it), "
+             "or regenerate the carried patch with `git diff` against the pinned base.")
+
+
 def load_carry(path: Path) -> Carry:
     """Parse ``path`` and refuse what the tool does not apply exactly as ``git apply``.
 
@@ -301,8 +334,7 @@ def load_carry(path: Path) -> Carry:
     try:
         patch = PatchSet(lines)
     except Exception as exc:  # unidiff raises its own parse errors
-        raise ApplyError(f"carried patch {path.name} cannot be parsed: {exc}",
-                         hint="Pass a unified diff made with `git diff` against the pinned base.") from exc
+        raise _parse_error(path, lines, exc) from exc
     if len(patch) == 0:
         raise CarryRefused(path, path.name, "not-a-patch", "no 'diff --git' or '---'/'+++' file header found",
                            hint="Pass a patch made with `git diff` against the pinned base, or drop --carry.")
@@ -380,7 +412,10 @@ def load_carry(path: Path) -> Carry:
             if p is None:
                 continue
             if p in written:
-                raise CarryRefused(path, p, "twice")
+                raise CarryRefused(path, p, "twice", hint=(
+                    "Make one section per file: squash the commits (`git diff FIRST^ LAST` instead of a "
+                    "`git format-patch` series or concatenated quilt patches) or merge the two sections' "
+                    "hunks into one `diff --git` section."))
             written.add(p)
     return Carry(path, raw, files)
 

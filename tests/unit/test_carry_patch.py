@@ -693,3 +693,63 @@ def test_crlf_carry_of_a_mode_change_is_refused_naming_line_endings(tmp_path):
     carry.write_bytes(carry.read_bytes().replace(b"\n", b"\r\n"))
     exc = _refused(carry, repo)
     assert exc.reason == "git-apply-differs" and "line endings" in exc.message and "dos2unix" in exc.hint
+
+
+def _two_hunk_carry(tmp: Path) -> tuple[Path, Path]:
+    base = {"m.py": F.encode()}
+    carry, repo = make_carry(tmp, base, lambda r: (r / "m.py").write_text(
+        F.replace("    y = x + 1\n    return y\n\n\ndef g", "    y = x + 2\n    return y\n\n\ndef g")
+         .replace("def g(x):\n    y = x + 1", "def g(x):\n    y = x + 3")), diff_args=("-U1",))
+    base_dir = tmp / "base"
+    _write(base_dir / "m.py", F.encode())
+    return carry, base_dir
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda t: t.replace("@@ -4,3 +4,3 @@", "@@ -4,4 +4,4 @@", 1), "after the hunk '@@ -4,4 +4,4 @@"),
+    (lambda t: t.replace("\n     return y\n", "\n\treturn y\n", 1), "in the hunk '@@ -4,3 +4,3 @@"),
+    (lambda t: t.replace("@@ -9,3 +9,3 @@", "@@ -9,5 +9,5 @@", 1), "in its last hunk '@@ -9,5 +9,5 @@"),
+])
+def test_hand_edited_hunk_that_cannot_be_parsed_is_named_with_its_line_and_hunk(tmp_path, edit, line):
+    """A hand edit leaving wrong @@ counts, or a tab where the leading space was: exit 6, the carry's line
+    number and the hunk named, and the hint says to recount (never a traceback, never a partial carry)."""
+    carry, base = _two_hunk_carry(tmp_path)
+    text = carry.read_text()
+    assert "@@ -4,3 +4,3 @@" in text, text
+    carry.write_text(edit(text))
+    with pytest.raises(ApplyError) as exc:
+        carried_tree(carry, base)
+    assert exc.value.exit_code == 6
+    msg = str(exc.value)
+    assert msg.startswith("carried patch carry.patch cannot be parsed ") and line in msg, msg
+    assert "@@ line counts" in msg and "Recount" in exc.value.hint
+
+
+def test_format_patch_series_changing_one_file_twice_says_to_squash(tmp_path):
+    """Two `diff --git` sections of one file (a format-patch series, quilt patches concatenated): refused by
+    name, the hint says how to make one section."""
+    carry, base = _two_hunk_carry(tmp_path)
+    text = carry.read_text()
+    head, first, second = text.split("\n@@ -")
+    carry.write_text(head + "\n@@ -" + first + "\n" + head.split("index ")[0] + "--- a/m.py\n+++ b/m.py\n@@ -"
+                     + second)
+    exc = _refused(carry, base)
+    assert exc.reason == "twice" and "m.py" in str(exc)
+    assert "git diff FIRST^ LAST" in exc.hint
+
+
+@pytest.mark.parametrize("dialect", ["git-no-prefix", "svn"])
+def test_paths_without_a_b_prefixes_are_refused_naming_the_file_and_the_fix(tmp_path, dialect):
+    """`git diff --no-prefix`, or an svn diff (`Index:` line, `(revision N)` after a tab): exit 6 naming the
+    file, the hint says to use plain `git diff` or write a/ and b/ names."""
+    base = {"m.py": F.encode()}
+    carry, _ = make_carry(tmp_path, base, lambda r: (r / "m.py").write_text(F.replace("x + 1", "x + 2", 1)),
+                          diff_args=("--no-prefix",))
+    if dialect == "svn":
+        body = carry.read_text().split("\n", 2)[2].replace("--- m.py", "--- m.py\t(revision 7)")
+        carry.write_text("Index: m.py\n" + "=" * 67 + "\n" + body.replace("+++ m.py", "+++ m.py\t(working copy)"))
+    base_dir = tmp_path / "base"
+    _write(base_dir / "m.py", F.encode())
+    exc = _refused(carry, base_dir)
+    assert exc.reason == "no-prefix" and ": m.py: " in str(exc), str(exc)
+    assert "--no-prefix" in exc.hint and "a/<path>" in exc.hint
