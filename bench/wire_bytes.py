@@ -30,6 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="global SBHD tokens, a multiple of 2*CP (default: %(default)s)")
     ap.add_argument("--out", help="JSON path (default: results/bench/wire-bytes/<label>.json)")
     args = ap.parse_args(argv)
+    if not Path(args.tree, "megatron", "core", "ssm", "gated_delta_net.py").is_file():
+        ap.error(f"--tree {args.tree} holds no megatron/core/ssm/gated_delta_net.py: build the patched tree "
+                 "first (`make patch`, README) or pass --tree")
     os.environ["GDN_TREE"] = str(Path(args.tree).resolve())
     sys.path.insert(0, str(REPO / "tests" / "image"))
     import _image_env  # noqa: F401  (puts the tree first on sys.path)

@@ -552,3 +552,13 @@ def test_thd_route_bench_refuses_a_tree_without_the_routes(tmp_path, capsys):
         _load("thd_route").main(["--tree", str(tmp_path)])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "holds no megatron/core/ssm/gdn_context_parallel.py" in err, err
+
+
+@pytest.mark.parametrize("script, names", [("wire_bytes.py", "gated_delta_net.py"),
+                                           ("thd_route.py", "gdn_context_parallel.py")])
+def test_cpu_benchmarks_without_a_tree_exit_2_saying_how_to_build_it(tmp_path, script, names):
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--tree", str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and names in r.stderr and "Traceback" not in r.stderr
+    assert "make patch" in r.stderr or "tools/backport" in r.stderr
