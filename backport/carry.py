@@ -284,19 +284,19 @@ def _parse_error(path: Path, lines: list, exc: Exception) -> ApplyError:
     longer match its lines (a hand edit) or a hunk line an editor changed (a tab or a stripped
     leading space), so the message says both."""
     msg = str(exc).rstrip("\n")
-    quoted = msg.split(": ", 1)[1] if ": " in msg else None
+    quoted = msg.split(": ", 1)[1].rstrip("\r\n") if ": " in msg else None
+    bare = [ln.rstrip("\r\n") for ln in lines]
     where, hunk = "", ""
-    if quoted:
-        at = [i for i, ln in enumerate(lines) if ln.rstrip("\r\n") == quoted.rstrip("\r\n")]
-        if at:
-            where = f" at line {at[0] + 1}"
-            heads = [ln.rstrip("\r\n") for ln in lines[:at[0] + 1] if ln.startswith("@@ ")]
-            if heads and heads[-1] != quoted.rstrip("\r\n"):
-                hunk = f", in the hunk {heads[-1]!r}"
-            elif len(heads) > 1:
-                hunk = f", after the hunk {heads[-2]!r}"
-    elif "shorter than expected" in msg:  # the patch ended inside a hunk: the last one
-        heads = [ln.rstrip("\r\n") for ln in lines if ln.startswith("@@ ")]
+    if quoted and quoted in bare:
+        at = bare.index(quoted)
+        where = f" at line {at + 1}"
+        heads = [ln for ln in bare[:at + 1] if ln.startswith("@@ ")]
+        if heads and heads[-1] != quoted:
+            hunk = f", in the hunk {heads[-1]!r}"
+        elif len(heads) > 1:
+            hunk = f", after the hunk {heads[-2]!r}"
+    elif not quoted and "shorter than expected" in msg:  # the patch ended inside a hunk: the last one
+        heads = [ln for ln in bare if ln.startswith("@@ ")]
         hunk = f" in its last hunk {heads[-1]!r}" if heads else ""
     return ApplyError(
         f"carried patch {path.name} cannot be parsed{where}{hunk}: {msg}; a hunk's @@ line counts do not match its "
