@@ -44,14 +44,38 @@ check-patch: venv  ## Regenerate with the lock's date and compare with the files
 # ---- tests --------------------------------------------------------------------
 # The Docker tests (tests/unit/test_image_docker.py) are opt-in, GDN_DOCKER_TESTS=1: `make test`
 # runs them (holding the engine's lock that tools/image takes); the quick check does not.
-test: venv  ## Unit tests (Docker tests included), integration test (real mirrors), CPU regression suite.
-	GDN_DOCKER_TESTS=1 $(PY) -m pytest tests -q -rs
+PYTEST := $(PY) -m pytest
+# JUNIT_DIR=DIR (.ci/run sets it): each pytest run also writes DIR/junit-<name>.xml (per-test seconds).
+JUNIT_DIR ?=
+junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/junit-$(1).xml)
+.PHONY: test-host test-gated check
+
+test: venv  ## Everything: unit tests (Docker tests included), integration (real mirrors), CPU image suite.
+	GDN_DOCKER_TESTS=1 $(PYTEST) tests -q -rs $(call junit,test)
 
 test-unit: venv  ## Quick check: unit tests without Docker, mirrors or network; prints skip reasons.
-	$(PY) -m pytest tests/unit -q -rs
+	$(PYTEST) tests/unit -q -rs $(call junit,unit)
 
 test-image: venv
-	$(PY) -m pytest tests/image -q -rs
+	$(PYTEST) tests/image -q -rs $(call junit,image)
+
+check: venv  ## While editing (a few minutes): unit tests up to the first failure, then `make check-patch`.
+	$(PYTEST) tests/unit -q -x
+	@$(MAKE) --no-print-directory check-patch
+
+# .ci/run splits `make test` in two around the image gate, so that nothing runs twice:
+# test-host runs while the image builds: unit (no Docker) + integration, and the real-FLA CPU
+# tier (never run in the image: run-suite.sh leaves it out); test-gated runs after the gate: the
+# Docker tests and the rest of tests/image, less every test the gate passed (GATE_CASES, read by
+# tests/conftest.py). Together they run what `make test` runs.
+GATE_CASES ?= $(CI_REPORTS)/gate-report-cases.json
+test-host: venv  ## CI, part 1: unit tests but the Docker ones, integration tests, the real-FLA CPU tier.
+	$(PYTEST) tests/unit tests/integration -q -rs --ignore=tests/unit/test_image_docker.py $(call junit,host)
+	$(PYTEST) tests/image -q -rs -m fla_interpret $(call junit,fla)
+
+test-gated: venv  ## CI, part 2 (after `make gate`): the Docker tests, tests/image less what passed in the gate.
+	GDN_DOCKER_TESTS=1 GDN_GATE_CASES=$(abspath $(GATE_CASES)) $(PYTEST) tests/unit/test_image_docker.py tests/image \
+	  -q -rs -m "not fla_interpret" $(call junit,gated)
 
 # ---- GPU host (tools/gpu-suite, tools/bench-gdn; docs/gpu.md) ---------------------
 # FLA wheels for the GPU host's Python (3.12 on the device tool's H200 hosts).

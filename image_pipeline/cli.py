@@ -26,7 +26,7 @@ from .build import (IMAGE_REPO, BuildResult, build_args, build_image, host_ca_bu
 from .engine import (DEFAULT_MIN_FREE_GIB, MIN_FREE_GIB, DiskPeak, check_disk, docker_client, docker_storage,
                      engine_lock, ensure_base_image, image_exists, pull_image)
 from .errors import PULL_FAILED_HINT, BaseImageMissing
-from .gate import require_gate_ok, run_gate, write_json
+from .gate import cases_path, cases_record, require_gate_ok, run_gate, suite_digest, write_json
 from .inputs import (CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, REPO_ROOT, Inputs, flavour_lock, preflight,
                      read_tree_lock)
 
@@ -202,7 +202,11 @@ def gate(image_ref, gpus, report, **kw):
     if build_record is not None:
         data["build"] = {"seconds": build_record.seconds, "cached_steps": build_record.cached_steps,
                          "steps": len(build_record.steps)}
+    records = data.pop("cases", {})
     path = write_json(Path(report), data)
+    # Per test: outcome and seconds, for which patch and suite (.ci/run's test-gated step leaves
+    # out what passed here) and for the CI timing table.
+    write_json(cases_path(path), cases_record(data, records, suite_digest(Inputs().tests)))
     s = data["suite"]
     say(f"==> [gate] {'PASS' if data['ok'] else 'REFUSED'}: {s['passed']} passed, {s['failed']} failed, "
         f"{s['errors']} errors, {s['skipped']} skipped; report {path}", "bold green" if data["ok"] else "bold red")

@@ -3,6 +3,7 @@ digested inside the image against the lock, and the JSON report."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import shutil
@@ -86,13 +87,64 @@ def _read_from_container(container, path: str) -> Optional[bytes]:
 
 def junit_cases(xml_text: str) -> dict:
     """``{test id: "passed" | "failed" | "error" | "skipped"}`` from pytest's JUnit XML."""
+    return {tid: case["outcome"] for tid, case in junit_records(xml_text).items()}
+
+
+def junit_records(xml_text: str) -> dict:
+    """``{test id: {"outcome": str, "seconds": float}}`` from pytest's JUnit XML, sorted by id.
+
+    The id is JUnit's ``classname::name`` (pytest writes the module path relative to its rootdir,
+    dotted, then any class names), which is how :func:`suite_case_id` names a collected item.
+    """
     out = {}
     for case in ET.fromstring(xml_text).iter("testcase"):
         kinds = {child.tag for child in case}
         outcome = ("failed" if "failure" in kinds else "error" if "error" in kinds
                    else "skipped" if "skipped" in kinds else "passed")
-        out[f"{case.get('classname', '')}::{case.get('name', '')}"] = outcome
+        try:
+            seconds = round(float(case.get("time") or 0.0), 3)
+        except ValueError:
+            seconds = 0.0
+        out[f"{case.get('classname', '')}::{case.get('name', '')}"] = {"outcome": outcome, "seconds": seconds}
     return dict(sorted(out.items()))
+
+
+def suite_digest(suite_dir: Path) -> str:
+    """sha256 over the suite's files (``tests/image``: relative path and bytes of every file but
+    caches, in sorted order): the suite a cases file (:func:`cases_record`) was run with."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in Path(suite_dir).rglob("*")
+                       if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"):
+        rel = path.relative_to(suite_dir).as_posix()
+        h.update(rel.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def suite_case_id(suite_dir: Path, item_path: Path, names: Iterable[str]) -> str:
+    """The JUnit id (:func:`junit_records`) the gate gives a test of the suite when pytest runs
+    in ``suite_dir`` (the image's /opt/gdn/tests/image): ``mod[.sub].Class::name``.
+
+    ``item_path`` is the test's file, ``names`` its node names after the file (classes, then the
+    test with its parameters)."""
+    names = list(names)
+    module = Path(item_path).relative_to(suite_dir).with_suffix("").as_posix().replace("/", ".")
+    return ".".join([module, *names[:-1]]) + "::" + names[-1]
+
+
+def cases_path(report_path: Path) -> Path:
+    """Where the gate writes its per-test record beside ``report_path``: ``<stem>-cases.json``."""
+    report_path = Path(report_path)
+    return report_path.with_name(report_path.stem + "-cases.json")
+
+
+def cases_record(report: dict, records: dict, suite_sha256: str) -> dict:
+    """The gate's per-test record: what ran in the image, for which patch and which suite.
+
+    ``.ci/run`` hands it to the host's pytest (``GDN_GATE_CASES``, tests/conftest.py), which then
+    leaves out every suite test that passed here instead of running it a second time."""
+    return {"patch_sha256": report.get("patch_sha256"), "suite_sha256": suite_sha256,
+            "image": report.get("image", {}).get("id"), "part": report.get("suite", {}).get("part"),
+            "cases": records}
 
 
 #: Suite modules whose tests the gate report lists one by one under ``checks``.
@@ -204,14 +256,15 @@ def run_gate(client, image_ref: str, gpus: Optional[bool] = None, on_line: Line 
     seconds = round(time.monotonic() - t0, 1)
     labels = image.labels or {}
     cap = json.loads(capability) if capability else {}
-    cases = {}
+    cases, records = {}, {}
     if junit is None:
         counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failing": []}
         ok, reason = False, f"the suite wrote no JUnit XML (pytest exited {exit_code})"
     else:
         counts = parse_junit(junit.decode(errors="replace"))
         ok, reason = gate_verdict(counts, exit_code)
-        cases = junit_cases(junit.decode(errors="replace"))
+        records = junit_records(junit.decode(errors="replace"))
+        cases = {tid: case["outcome"] for tid, case in records.items()}
     listed = [{"name": tid, "outcome": outcome} for tid, outcome in cases.items()
               if any(mod in tid for mod in LISTED_SUITE_MODULES)]
     return {
@@ -229,6 +282,7 @@ def run_gate(client, image_ref: str, gpus: Optional[bool] = None, on_line: Line 
         "suite": {"part": "all" if use_gpus else "cpu", "exit_code": exit_code, "seconds": seconds,
                   "extra_args": list(pytest_args), "extra_env": dict(environment or {}), **counts},
         "log_tail": list(tail)[-LOG_TAIL:],
+        "cases": records,
     }
 
 
