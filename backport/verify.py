@@ -75,8 +75,72 @@ def apply_patch(tree: Path, patch: bytes, dry_run: bool) -> str:
     return out
 
 
-def verify(patch_text: str, patch_again: str, run, recipe, opts, progress) -> list[dict]:
-    """Run every check; return their records or raise VerificationError on the first failure."""
+class VerifyTree:
+    """The patched scratch tree the checks read, with the import check already running on it.
+
+    Made as soon as the first in-memory run has its patch (:func:`backport.engine.build`): the base
+    tree's ``megatron/`` is copied to a temporary folder, the patch applied there (GNU patch, zero
+    fuzz) and, when ``opts.import_check``, a second interpreter (``opts.python``) starts importing
+    the recipe's ``import_check`` modules in the background while the determinism run and the other
+    checks go on in this process. :func:`verify` reads the import check's verdict last, in the
+    manifest's order. Use it as a context manager: leaving it stops an unfinished import check and
+    removes the folder.
+    """
+
+    def __init__(self, patch_text: str, run, recipe, opts):
+        self._tmp = tempfile.TemporaryDirectory(prefix="gdn-verify-")
+        self.tree = Path(self._tmp.name) / "t"
+        self.proc: "subprocess.Popen | None" = None
+        self.apply_error: "VerificationError | None" = None
+        shutil.copytree(run.base_tree / "megatron", self.tree / "megatron", symlinks=True)
+        try:
+            apply_patch(self.tree, patch_text.encode(), dry_run=False)
+        except VerificationError as exc:  # reported in order, after the dry run on the pristine base
+            self.apply_error = exc
+            return
+        if opts.import_check:
+            out_dir = Path(self._tmp.name)
+            self._out = open(out_dir / "import.out", "w+", encoding="utf-8")
+            self._err = open(out_dir / "import.err", "w+", encoding="utf-8")
+            self.proc = subprocess.Popen(
+                [opts.python, "-W", "ignore", "-c", PROBE, *recipe.import_check], cwd=self.tree,
+                stdout=self._out, stderr=self._err, encoding="utf-8",
+                env={**os.environ, "PYTHONPATH": str(self.tree), "PYTHONDONTWRITEBYTECODE": "1",
+                     "CUDA_VISIBLE_DEVICES": ""})
+
+    def import_result(self) -> "tuple[int, str, str]":
+        """``(exit code, stdout, stderr)`` of the import check, waiting for it to finish."""
+        rc = self.proc.wait()
+        self._out.seek(0)
+        self._err.seek(0)
+        return rc, self._out.read(), self._err.read()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._out.close()
+            self._err.close()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "VerifyTree":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def verify(patch_text: str, patch_again: str, run, recipe, opts, progress,
+           vtree: "VerifyTree | None" = None) -> list[dict]:
+    """Run every check; return their records or raise VerificationError on the first failure.
+
+    ``vtree`` is the patched scratch tree made from ``patch_text`` (:class:`VerifyTree`, import
+    check already started); None makes one here.
+    """
+    if vtree is None:
+        with VerifyTree(patch_text, run, recipe, opts) as made:
+            return verify(patch_text, patch_again, run, recipe, opts, progress, made)
     checks = []
     if patch_text != patch_again:
         _fail("deterministic", "two runs on the same inputs produced different patches",
@@ -85,6 +149,8 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress) -> li
 
     patch = patch_text.encode()
     apply_patch(run.base_tree, patch, dry_run=True)
+    if vtree.apply_error is not None:
+        raise vtree.apply_error
     checks.append({"check": "applies", "ok": True, "detail": "GNU patch -p1 --fuzz=0: no fuzz, no offsets"})
 
     added = [(patch_path(pf), line.value) for pf in PatchSet(split_lines(patch_text)) for h in pf for line in h
@@ -94,58 +160,51 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress) -> li
         _fail("no_conflict_markers", f"conflict markers in added lines of {sorted(set(bad))}")
     checks.append({"check": "no_conflict_markers", "ok": True, "detail": f"{len(added)} added lines scanned"})
 
-    with tempfile.TemporaryDirectory(prefix="gdn-verify-") as tmp:
-        tree = Path(tmp)
-        shutil.copytree(run.base_tree / "megatron", tree / "megatron", symlinks=True)
-        apply_patch(tree, patch, dry_run=False)
+    tree = vtree.tree
+    progress("byte-compiling megatron/")
+    count = 0
+    for path in sorted((tree / "megatron").rglob("*.py")):
+        try:
+            compile(path.read_bytes(), str(path.relative_to(tree)), "exec", dont_inherit=True)
+        except SyntaxError as exc:
+            _fail("byte_compiles", f"{path.relative_to(tree)}:{exc.lineno}: {exc.msg}")
+        count += 1
+    checks.append({"check": "byte_compiles", "ok": True, "detail": f"{count} files under megatron/"})
 
-        progress("byte-compiling megatron/")
-        count = 0
-        for path in sorted((tree / "megatron").rglob("*.py")):
-            try:
-                compile(path.read_bytes(), str(path.relative_to(tree)), "exec", dont_inherit=True)
-            except SyntaxError as exc:
-                _fail("byte_compiles", f"{path.relative_to(tree)}:{exc.lineno}: {exc.msg}")
-            count += 1
-        checks.append({"check": "byte_compiles", "ok": True, "detail": f"{count} files under megatron/"})
+    verbatim = [s.path for s in recipe.steps if isinstance(s, UpstreamFile)]
+    for path in verbatim:
+        if (tree / path).read_bytes() != run.mlm.read(run.upstream_sha, path):
+            _fail("verbatim_files", f"{path} differs from upstream {run.upstream_sha[:12]}")
+    checks.append({"check": "verbatim_files", "ok": True, "detail": f"{len(verbatim)} file(s) byte-identical to upstream"})
 
-        verbatim = [s.path for s in recipe.steps if isinstance(s, UpstreamFile)]
-        for path in verbatim:
-            if (tree / path).read_bytes() != run.mlm.read(run.upstream_sha, path):
-                _fail("verbatim_files", f"{path} differs from upstream {run.upstream_sha[:12]}")
-        checks.append({"check": "verbatim_files", "ok": True, "detail": f"{len(verbatim)} file(s) byte-identical to upstream"})
+    changed = sorted(f.path for f in run.ws.changed())
 
-        changed = sorted(f.path for f in run.ws.changed())
+    def in_base(p: str, s: str) -> bool:  # the base's own file holds it: the patch does not bring it
+        state = run.ws.files.get(p)
+        return state is not None and state.exists_in_base and s in "".join(state.base_lines)
 
-        def in_base(p: str, s: str) -> bool:  # the base's own file holds it: the patch does not bring it
-            state = run.ws.files.get(p)
-            return state is not None and state.exists_in_base and s in "".join(state.base_lines)
+    hits = [(p, s) for p in changed if (tree / p).is_file()
+            for s in recipe.forbidden_strings if s in (tree / p).read_text(encoding="utf-8") and not in_base(p, s)]
+    hits += [(p, s) for p, v in added for s in recipe.forbidden_strings if s in v]
+    if hits:
+        _fail("forbidden_strings", "; ".join(f"{s!r} in {p}" for p, s in sorted(set(hits))),
+              hint="Exclude the upstream hunk that brings it, or fix the transform.")
+    checks.append({"check": "forbidden_strings", "ok": True,
+                   "detail": f"{len(recipe.forbidden_strings)} strings absent from {len(changed)} changed files"})
 
-        hits = [(p, s) for p in changed if (tree / p).is_file()
-                for s in recipe.forbidden_strings if s in (tree / p).read_text(encoding="utf-8") and not in_base(p, s)]
-        hits += [(p, s) for p, v in added for s in recipe.forbidden_strings if s in v]
-        if hits:
-            _fail("forbidden_strings", "; ".join(f"{s!r} in {p}" for p, s in sorted(set(hits))),
-                  hint="Exclude the upstream hunk that brings it, or fix the transform.")
-        checks.append({"check": "forbidden_strings", "ok": True,
-                       "detail": f"{len(recipe.forbidden_strings)} strings absent from {len(changed)} changed files"})
-
-        if opts.import_check:
-            progress("import check")
-            proc = subprocess.run([opts.python, "-W", "ignore", "-c", PROBE, *recipe.import_check],
-                                  cwd=tree, capture_output=True, encoding="utf-8",
-                                  env={**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1",
-                                       "CUDA_VISIBLE_DEVICES": ""})
-            if proc.returncode != 0:
-                tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
-                _fail("imports", f"the patched modules do not import with {opts.python}:\n{tail}",
-                      hint="Install the verify requirements (`pip install -r requirements/verify.txt`) into the "
-                           "interpreter given by --python, or pass --no-import-check (recorded in the manifest).")
-            versions = proc.stdout.strip().splitlines()[-1]
-            checks.append({"check": "imports", "ok": True,
-                           "detail": f"{len(recipe.import_check)} modules imported; cp_context accepted; {versions}"})
-        else:
-            checks.append({"check": "imports", "ok": False, "detail": "skipped by --no-import-check"})
+    if vtree.proc is not None:
+        progress("import check")
+        returncode, stdout, stderr = vtree.import_result()
+        if returncode != 0:
+            tail = "\n".join(stderr.strip().splitlines()[-6:])
+            _fail("imports", f"the patched modules do not import with {opts.python}:\n{tail}",
+                  hint="Install the verify requirements (`pip install -r requirements/verify.txt`) into the "
+                       "interpreter given by --python, or pass --no-import-check (recorded in the manifest).")
+        versions = stdout.strip().splitlines()[-1]
+        checks.append({"check": "imports", "ok": True,
+                       "detail": f"{len(recipe.import_check)} modules imported; cp_context accepted; {versions}"})
+    else:
+        checks.append({"check": "imports", "ok": False, "detail": "skipped by --no-import-check"})
     checks.append(carry_survival(run))
     return checks
 
