@@ -195,6 +195,10 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress,
     if vtree.proc is not None:
         progress("import check")
         returncode, stdout, stderr = vtree.import_result()
+        if returncode < 0:
+            _fail("imports", f"the import check's interpreter {opts.python} was killed by signal {-returncode} "
+                             "(out of memory, or stopped from outside)",
+                  hint="Run again; if it recurs, free memory or pass --no-import-check (recorded in the manifest).")
         if returncode != 0:
             tail = "\n".join(stderr.strip().splitlines()[-6:])
             _fail("imports", f"the patched modules do not import with {opts.python}:\n{tail}",

@@ -565,3 +565,30 @@ def test_a_forbidden_string_the_base_file_already_holds_is_not_the_patchs(tmp_pa
     assert "helper_2" in (b.base_tree / "megatron/core/utils.py").read_text()
     check = {c["check"]: c for c in b.manifest["verification"]}["forbidden_strings"]
     assert check["ok"]
+
+
+def _stub_python(tmp_path, body: str):
+    stub = tmp_path / "stub-python"
+    stub.write_text("#!/bin/sh\n" + body + "\n")
+    stub.chmod(0o755)
+    return str(stub)
+
+
+@pytest.mark.parametrize("body, words", [
+    ("echo 'ModuleNotFoundError: No module named fla' >&2; exit 1", "do not import with"),
+    ("kill -9 $$", "was killed by signal 9"),
+])
+def test_import_check_runs_beside_the_determinism_run_and_its_failure_is_named(tmp_path, fake_repos, body, words):
+    """The import check starts in a second interpreter while this process verifies
+    (backport.verify.VerifyTree); its failure, or its death by a signal, still fails the run
+    with exit 7 naming the interpreter, and nothing is written."""
+    data = recipe_data(fake_repos)
+    data["import_check"] = ["megatron.core.ssm.gated_delta_net"]
+    path = write_recipe(tmp_path / "fake.yaml", data)
+    python = _stub_python(tmp_path, body)
+    opts = Options(recipe=path, megatron_lm=str(fake_repos.mlm), megatron_bridge=str(fake_repos.bridge_repo),
+                   cache_dir=tmp_path / "cache", date="20260102", import_check=True, python=python)
+    with pytest.raises(VerificationError) as info:
+        build(opts)
+    assert "verification check 'imports' failed" in info.value.message and words in info.value.message
+    assert python in info.value.message and info.value.exit_code == 7
