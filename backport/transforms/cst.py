@@ -50,8 +50,45 @@ class _Replace(cst.CSTTransformer):
         return updated
 
 
+def _replace_statement(owner, target: cst.CSTNode, new):
+    """``owner`` (a Module or compound statement) with the statement ``target`` somewhere in its
+    statement bodies replaced by ``new``; None when ``target`` is no statement in them.
+
+    Rebuilds only the nodes on the way down (``with_changes``), where a transformer rebuilds the
+    whole module: a transform replacing one method of a large file paid for the file."""
+    block = owner if isinstance(owner, cst.Module) else getattr(owner, "body", None)
+    stmts = getattr(block, "body", None)
+    if not isinstance(stmts, (list, tuple)):
+        return None
+    for i, stmt in enumerate(stmts):
+        if stmt is target:
+            if isinstance(new, cst.RemovalSentinel):
+                middle = []
+            elif isinstance(new, cst.FlattenSentinel):
+                middle = list(new.nodes)
+            else:
+                middle = [new]
+        elif isinstance(stmt, cst.BaseCompoundStatement):
+            sub = _replace_statement(stmt, target, new)
+            if sub is None:
+                continue
+            middle = [sub]
+        else:
+            continue
+        block = block.with_changes(body=[*stmts[:i], *middle, *stmts[i + 1:]])
+        return block if isinstance(owner, cst.Module) else owner.with_changes(body=block)
+    return None
+
+
 def replace_node(module: cst.Module, target: cst.CSTNode, new, path: str) -> cst.Module:
-    """Replace ``target`` (an exact node of ``module``) with ``new`` (node, or RemoveFromParent/FlattenSentinel)."""
+    """Replace ``target`` (an exact node of ``module``) with ``new`` (node, or RemoveFromParent/FlattenSentinel).
+
+    A statement in statement bodies (a class, a method, ...) is replaced along its path
+    (:func:`_replace_statement`); any other node by a transformer over the whole module."""
+    if isinstance(target, cst.BaseStatement):
+        out = _replace_statement(module, target, new)
+        if out is not None:
+            return out
     tr = _Replace(target, new)
     out = module.visit(tr)
     if not tr.done:
