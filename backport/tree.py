@@ -98,6 +98,44 @@ def verify_entry(root: Path, bridge_sha: str, base_sha: str) -> "str | None":
     return None
 
 
+def base_compile_errors(root: Path) -> "dict[str, str] | None":
+    """``{"megatron/...py": "LINE: message"}``: the files of the cached base tree ``root`` that do
+    not byte-compile with this interpreter (usually none), or None when ``root`` is no cache entry.
+
+    Computed once per entry and interpreter version, and kept beside the entry's record
+    (``.compile-<tag>.json``, tied to the entry's recorded digest, which :func:`verify_entry`
+    checks on every run): the ``byte_compiles`` check then compiles only the files the patch
+    changes, and takes the verdict on the others, byte-identical to the base's, from here.
+    """
+    try:
+        digest = json.loads((root / RECORD).read_text(encoding="utf-8"))["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    v = sys.version_info
+    path = root / f".compile-{sys.implementation.cache_tag}-{v.major}.{v.minor}.{v.micro}.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("sha256") == digest and isinstance(data.get("errors"), dict):
+            return data["errors"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    errors = {}
+    for file in sorted((root / "megatron").rglob("*.py")):
+        rel = file.relative_to(root).as_posix()
+        try:
+            compile(file.read_bytes(), rel, "exec", dont_inherit=True)
+        except SyntaxError as exc:
+            errors[rel] = f"{exc.lineno}: {exc.msg}"
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"sha256": digest, "errors": errors}, indent=2, sort_keys=True) + "\n",
+                       encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: the verdict is simply not kept
+        tmp.unlink(missing_ok=True)
+    return errors
+
+
 def assemble_base_tree(bridge: Source, bridge_sha: str, mlm: Source, base_sha: str, cache_dir: Path) -> Path:
     """Return the cached assembled base tree root (containing ``megatron/``), building it once.
 
