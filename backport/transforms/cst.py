@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import libcst as cst
@@ -10,10 +11,18 @@ import libcst.matchers as m
 from ..errors import ApplyError
 
 
+@functools.lru_cache(maxsize=64)
+def _parse_module(text: str) -> cst.Module:
+    return cst.parse_module(text)
+
+
 def parse(text: str, path: str) -> cst.Module:
-    """Parse ``text``; ApplyError when it is not valid Python."""
+    """Parse ``text``; ApplyError when it is not valid Python.
+
+    Parsed modules are kept per text (libcst trees are immutable; a transform builds new ones):
+    the determinism run of :func:`backport.engine.build` parses the same texts again."""
     try:
-        return cst.parse_module(text)
+        return _parse_module(text)
     except cst.ParserSyntaxError as exc:
         raise ApplyError(f"{path}: not valid Python before the transform: {exc}") from exc
 
