@@ -32,8 +32,7 @@ from unidiff import PatchSet
 from .errors import ApplyError
 from .gitenv import isolated
 from .gitpath import split_quoted, unquote
-from .workspace import (FileState, HunkLines, Workspace, anchor_line, check_tree_path, enclosing_symbol,
-                        hunk_lines, split_lines, symbol_spans)
+from .workspace import FileState, HunkLines, SymbolMap, Workspace, anchor_line, check_tree_path, hunk_lines, split_lines
 
 GIT_ENV = {"LC_ALL": "C"}
 MODES = {"100644", "100755"}
@@ -464,16 +463,26 @@ def git_apply_tree(carry: Carry, base_tree: Path) -> tuple[Optional[dict], str]:
         return out, ""
 
 
-def _place_lines(hunks: list, state: FileState, base_text: Optional[str]) -> None:
-    """Fill ``added_at`` and ``line_symbols`` of ``hunks`` (all of one file, already applied)."""
-    carried_spans = symbol_spans(state.text)
-    base_spans = symbol_spans(base_text) if base_text is not None else []
+def _place_lines(hunks: list, state: FileState, base_symbols: Optional[SymbolMap], base_text: Optional[str]) -> None:
+    """Fill ``added_at`` and ``line_symbols`` of ``hunks`` (all of one file, already applied):
+    one pass over the file's line tags and one parse of the carried file, whatever the number
+    of hunks."""
+    carried = SymbolMap(state.text)
     base_lines = split_lines(base_text or "")
+    mine: dict = {}
+    for i, tag in enumerate(state.tags):
+        if tag[0] == "origin":
+            mine.setdefault(tag[1], []).append(i)
+    removed_by: dict = {}
+    for i, oid in sorted(state.removed_by.items()):
+        if i < len(base_lines):
+            removed_by.setdefault(oid, []).append(i)
     for h in hunks:
-        h.added_at = [i for i, tag in enumerate(state.tags) if tag == ("origin", h.oid) and state.lines[i] in h.added]
-        h.line_symbols = [("+", state.lines[i], enclosing_symbol(carried_spans, i)) for i in h.added_at]
-        removed = [("-", base_lines[i], enclosing_symbol(base_spans, i))
-                   for i, oid in sorted(state.removed_by.items()) if oid == h.oid and i < len(base_lines)]
+        added = set(h.added)
+        h.added_at = [i for i in mine.get(h.oid, ()) if state.lines[i] in added]
+        h.line_symbols = [("+", state.lines[i], carried.at(i)) for i in h.added_at]
+        removed = [("-", base_lines[i], base_symbols.at(i) if base_symbols is not None else "")
+                   for i in removed_by.get(h.oid, ())]
         if len(removed) < len(h.removed):  # a renamed/copied file: removed lines are not base lines
             removed = [("-", line, h.symbol) for line in h.removed]
         h.line_symbols += removed
@@ -516,22 +525,32 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
                 src.delete(moved)
             origins[moved] = {"kind": "carried", "status": "applied", "why": f"{cf.kind} from {cf.old_path} in the carried patch"}
         state = get(cf.path)
+        # one parse of the base file for all its hunks: their symbols, and the symbol of every
+        # place their context matches (looked up through the line tags, FileState.apply_hunk)
+        base_symbols = SymbolMap(base_text) if base_text is not None and cf.hunks else None
         for h in cf.hunks:
-            h.symbol = enclosing_symbol(symbol_spans(base_text), anchor_line(h.lines.source, h.lines.changes,
-                                                                             h.lines.header_pos)) \
-                if base_text is not None else ""
+            h.symbol = base_symbols.at(anchor_line(h.lines.source, h.lines.changes, h.lines.header_pos)) \
+                if base_symbols is not None else ""
             try:
-                h.offset = state.apply_hunk(h.lines, h.oid, source_symbol=h.symbol)
+                h.offset = state.apply_hunk(h.lines, h.oid, source_symbol=h.symbol,
+                                            base_symbols=base_symbols if cf.kind in ("modify", "delete") else None,
+                                            by_header=True)
             except ApplyError as exc:
                 raise ApplyError(f"carried patch {name}: {exc.message}",
                                  hint=exc.hint if exc.hint != ApplyError.default_hint else
                                  "Regenerate the carried patch against the pinned base tree (zero fuzz).") from exc
             origins[h.oid] = {"kind": "carried", "header": h.header, "offset": h.offset, "symbol": h.symbol,
                               "status": "applied", "why": f"hunk {h.n} of {cf.path} in the carried patch"}
+            if state.placed is not None:
+                origins[h.oid].update(state.placed)
+                at = ", ".join(map(str, state.placed["matches"]))
+                warn(f"warning: carried hunk {h.oid}: its context matches at lines {at} of the base; placed "
+                     + ("at the line its header names" if state.placed["placed"] == "header" else
+                        "at the match nearest the line its header names") + ", as git apply does")
             if h.offset:
                 warn(f"warning: carried hunk {h.oid} placed at offset {h.offset:+d} lines")
         if cf.kind != "delete" and cf.hunks:
-            _place_lines(cf.hunks, state, base_text)
+            _place_lines(cf.hunks, state, base_symbols, base_text)
         if cf.kind == "delete":
             if state.lines:
                 raise ApplyError(f"carried patch {name}: deleting {cf.old_path} leaves {len(state.lines)} lines.",

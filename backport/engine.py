@@ -30,8 +30,7 @@ from .options import Options, fs_text, validate
 from .patchfile import attribute_hunks, make_patch
 from .upstream_lines import beyond_upstream_rows, origin_line_totals, upstream_line_sets
 from .upstream import UpstreamHunk, load_hunks
-from .workspace import (FileState, Workspace, bindings, bindings_at, check_tree_path, hunk_lines, new_bindings,
-                        split_lines)
+from .workspace import BindingMap, FileState, Workspace, check_tree_path, hunk_lines, new_bindings, split_lines
 
 ADAPTATIONS = Path(__file__).resolve().parent / "adaptations"
 
@@ -82,6 +81,7 @@ class _Run:
         #: determinism re-run see the same bytes even when the file changes meanwhile)
         self.carry_model = carry_model
         self.carried_text: dict[str, Optional[str]] = {}
+        self._by_path: Optional[dict] = None
         self._upstream_parent: dict[str, Optional[str]] = {}
         #: path -> the file after the recipe steps so far, without the carry (the ancestor of the
         #: three-way merges); None when a step could not run on it (then the base is used)
@@ -134,15 +134,22 @@ class _Run:
                 self._upstream_parent[path] = None
         return self._upstream_parent[path]
 
-    def _live_hunks(self, path: str) -> list:
+    def _carried_hunks(self, path: str) -> list:
+        """The carried hunks of ``path`` (indexed by path once per run, not searched per call)."""
         if self.carry_model is None:
             return []
-        return [h for h in self.carry_model.hunks if h.path == path
-                and self.origins.get(h.oid, {}).get("status") != "superseded"]
+        if self._by_path is None:
+            self._by_path = {}
+            for h in self.carry_model.hunks:
+                self._by_path.setdefault(h.path, []).append(h)
+        return self._by_path.get(path, [])
+
+    def _live_hunks(self, path: str) -> list:
+        return [h for h in self._carried_hunks(path) if self.origins.get(h.oid, {}).get("status") != "superseded"]
 
     def _shadow_step(self, path: str, fn: Callable[[str], str]) -> None:
         """Run the step on the carry-free copy of ``path`` (only for paths the carry touches)."""
-        if self.carry_model is None or not any(h.path == path for h in self.carry_model.hunks):
+        if self.carry_model is None or not self._carried_hunks(path):
             return
         if path not in self.shadow:
             self.shadow[path] = self.base_text(path)
@@ -308,7 +315,7 @@ class _Run:
         in another symbol), every carried hunk of the file is named.
         """
         uh = self.hunks[hid]
-        carried = [h for h in self.carry_model.hunks if h.path == uh.path] if self.carry_model else []
+        carried = list(self._carried_hunks(uh.path))
         if not carried:
             return None
         ancestor = self.shadow[uh.path] if uh.path in self.shadow else self.base_text(uh.path)
@@ -386,7 +393,7 @@ class _Run:
         or code the message quotes (the anchor), else every carried hunk of the file.
         """
         path = step.path
-        carried = [h for h in self.carry_model.hunks if h.path == path] if self.carry_model else []
+        carried = list(self._carried_hunks(path))
         if exc.hint != ApplyError.default_hint:
             return None  # the transform already names its culprit (e.g. a form of the user's it will not replace)
         if not carried or (path in self.shadow and self.shadow[path] is None):
@@ -429,10 +436,17 @@ class _Run:
     def _carried_bindings(self, path: str, text: str, tags: list) -> dict:
         """``(scope, name) -> carried hunk`` for every module/class-level name whose binding
         statement holds a line a live carried hunk added (by the line tags of ``text``)."""
+        live = self._live_hunks(path)
+        if not live:
+            return {}
+        found = text if isinstance(text, BindingMap) else BindingMap(text)  # one parse for all the hunks
+        at: dict = {}
+        for i, tag in enumerate(tags):  # one pass over the tags
+            if tag[0] == "origin":
+                at.setdefault(tag[1], []).append(i)
         out = {}
-        for h in self._live_hunks(path):
-            at = [i for i, tag in enumerate(tags) if tag == ("origin", h.oid)]
-            for key in sorted(bindings_at(text, at)):
+        for h in live:
+            for key in sorted(found.keys_at(at.get(h.oid, ()))):
                 out.setdefault(key, h)
         return out
 
@@ -444,15 +458,17 @@ class _Run:
         Raises:
             ApplyError (exit 6): naming the carried hunk, the name and the step.
         """
-        mine = self._carried_bindings(path, before, tags)
-        if not mine or before == after:
+        if not self._live_hunks(path) or before == after:
             return
-        twice = new_bindings(before, after, mine)
+        was = BindingMap(before)
+        mine = self._carried_bindings(path, was, tags)
+        if not mine:
+            return
+        twice = new_bindings(was, after, mine)
         if twice:
             key = twice[0]
             h, (scope, name) = mine[key], key
-            was = bindings(before) or {}
-            line = split_lines(before)[was[key][0][0]].rstrip("\r\n") if was.get(key) else name
+            line = split_lines(before)[was.spans[key][0][0]].rstrip("\r\n") if was.spans.get(key) else name
             raise ApplyError(
                 f"carried hunk {h.n} of {h.path} ({h.oid}, in {scope or 'module level'}) conflicts with recipe "
                 f"step {step.id} ({self._what(step)}), which binds {name} again in {scope or 'module level'}: "
@@ -503,7 +519,7 @@ class _Run:
         result, theirs the file before the step); ``after`` itself without a carry."""
         if self.carry_model is None or before == after:
             return after
-        hunks = [h for h in self.carry_model.hunks if h.path == step.path]
+        hunks = list(self._carried_hunks(step.path))
         if not hunks:
             return after
         base = self._ancestor(step.path)

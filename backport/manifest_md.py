@@ -1,7 +1,8 @@
 """The Markdown view of the manifest (for people); the JSON is the machine view.
 
 Shows every origin with its status, its placement offset (non-zero offsets are also listed
-above the table) and, for a carried hunk the recipe supersedes, the step and the reason."""
+above the table), for a carried hunk whose context matched more than once how it was placed,
+and, for a carried hunk the recipe supersedes, the step and the reason."""
 
 from __future__ import annotations
 
@@ -126,6 +127,11 @@ def render_markdown(m: dict) -> str:
             why += (f" Kept in the carried form: `{' '.join(kept['wrapper'][0].split())}` around "
                     f"`{', '.join(kept['around'])}` in step `{kept['step']}`'s new `{kept['symbol']}` "
                     f"(preserved fix `{kept['fix']}`).")
+        if o.get("placed"):  # a carried hunk whose context matched more than once
+            why += "" if not why or why.endswith(".") else "."
+            why += (f" Its context matches at lines {', '.join(map(str, o.get('matches', [])))} of the base: placed "
+                    + ("at the line its header names" if o["placed"] == "header" else
+                       "at the match nearest the line its header names") + ", as `git apply` does.")
         offset = f"{o['offset']:+d}" if o.get("offset") else ("0" if "offset" in o else "")
         made_by = next((f"{key} `{o[key]}`" for key in ("transform", "template") if o.get(key)), "")
         if not made_by and o.get("step"):

@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from unidiff import PatchSet
@@ -24,7 +25,7 @@ from .errors import VerificationError
 from .gitpath import patch_path
 from .recipe import UpstreamFile
 from .tree import base_compile_errors
-from .workspace import bindings_at, new_bindings, split_lines, symbol_spans
+from .workspace import BindingMap, SymbolMap, new_bindings, parse_python, split_lines
 
 CONFLICT = re.compile(r"^(<{7}|={7}|>{7})( |$)")
 
@@ -223,19 +224,28 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress,
     return checks
 
 
-def _region(text: str, symbol) -> "list[str] | None":
-    """Lines (without line ends) of ``symbol`` in ``text``: the whole file for module level or
-    a non-Python file; None when the symbol is gone."""
-    lines = [ln.rstrip("\r\n") for ln in split_lines(text)]
-    if not symbol:
-        return lines
-    spans = symbol_spans(text)
-    if spans is None:
-        return lines
-    for first, last, name in spans:
-        if name == symbol:
-            return lines[first:last + 1]
-    return None
+class _FileView:
+    """One text as ``carry_survival`` reads it, from one parse: the lines of each symbol,
+    counted (stripped of line ends), and its module/class-level bindings."""
+
+    def __init__(self, text: str):
+        tree = parse_python(text)
+        self.lines = [ln.rstrip("\r\n") for ln in split_lines(text)]
+        self.symbols = SymbolMap(text, tree)
+        self.bindings = BindingMap(text, tree)
+        self._counts: dict = {}
+
+    def region(self, symbol) -> "Counter | None":
+        """How often each line occurs in ``symbol``: the whole file for module level or a
+        non-Python file; None when the symbol is gone."""
+        if symbol not in self._counts:
+            if not symbol or not self.symbols.valid:
+                lines = self.lines
+            else:
+                span = self.symbols.span(symbol)
+                lines = None if span is None else self.lines[span[0]:span[1] + 1]
+            self._counts[symbol] = None if lines is None else Counter(lines)
+        return self._counts[symbol]
 
 
 def carry_survival(run) -> dict:
@@ -271,6 +281,7 @@ def carry_survival(run) -> dict:
             continue
         final_text = run.ws.files[cf.path].text
         carried_text = run.carried_text.get(cf.path) or ""
+        final_view, carried_view = _FileView(final_text), _FileView(carried_text)  # one parse each per file
         state = run.ws.files[cf.path]
         if cf.new_mode and cf.old_mode and cf.new_mode != cf.old_mode and (state.mode or cf.new_mode) != cf.new_mode:
             _fail("carry_survival", f"{cf.path}: carried mode {cf.new_mode} is not in the output", hint=_SURVIVAL_HINT)
@@ -286,22 +297,22 @@ def carry_survival(run) -> dict:
                 # statements a kept form wraps are the step's now (checked by _check_kept_form)
                 restated = {ln for f in kept for ln in f["restated" if sign == "+" else "replaced"]}
                 lines = [ln for ln in lines if ln.rstrip("\r\n") not in restated]
-                final = _region(final_text, symbol)
+                final = final_view.region(symbol)
                 if final is None:
                     if sign == "-":
                         continue  # the symbol is gone, and with it every removed line
                     _fail("carry_survival", f"{where}: {symbol} no longer exists in the output", hint=_SURVIVAL_HINT)
-                before = _region(carried_text, symbol) or []
+                before = carried_view.region(symbol) or Counter()
+                need = Counter(x.rstrip("\r\n") for x in lines)
                 for line in _distinct(lines):
                     if sign == "+":
-                        need = sum(1 for x in lines if x.rstrip("\r\n") == line)
-                        if final.count(line) < min(need, before.count(line)):
+                        if final[line] < min(need[line], before[line]):
                             _fail("carry_survival", f"{where}: added line {line.strip()!r} is missing from the "
                                   "output", hint=_SURVIVAL_HINT)
-                    elif final.count(line) > before.count(line):
+                    elif final[line] > before[line]:
                         _fail("carry_survival", f"{where}: removed line {line.strip()!r} is back in the output",
                               hint=_SURVIVAL_HINT)
-            twice = _twice_bound(carried_text, final_text, h)
+            twice = _twice_bound(carried_view.bindings, final_view.bindings, h)
             if twice:
                 scope, name = twice
                 _fail("carry_survival", f"carried hunk {h.n} of {h.path} ({h.oid}): {name} is bound again in "
@@ -355,13 +366,13 @@ def _by_symbol(h) -> list:
     return [(sign, symbol, lines) for (sign, symbol), lines in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))]
 
 
-def _twice_bound(carried_text: str, final_text: str, h):
+def _twice_bound(carried: BindingMap, final: BindingMap, h):
     """A ``(scope, name)`` the hunk's added lines bind that the output binds more often than the
     carried file does (a step added a second field/def/import of that name), else None."""
-    mine = bindings_at(carried_text, h.added_at)
+    mine = carried.keys_at(h.added_at)
     if not mine:
         return None
-    twice = new_bindings(carried_text, final_text, mine)
+    twice = new_bindings(carried, final, mine)
     return twice[0] if twice else None
 
 

@@ -78,13 +78,16 @@ def check_tree_path(rel: str, root: Optional[Path], error=ApplyError, what: str 
 
 # --- enclosing symbols ---------------------------------------------------------------------------
 
-def symbol_spans(text: str) -> Optional[list[tuple[int, int, str]]]:
-    """``(first, last, qualname)`` 0-based inclusive line spans of every def/class, or None
-    when ``text`` is not valid Python (decorators belong to their def)."""
+def parse_python(text: str):
+    """``ast.parse(text)``, or None when ``text`` is not valid Python. Every symbol and binding
+    map of this module parses through here (a test counts the calls: one per file and text)."""
     try:
-        tree = ast.parse(text)
+        return ast.parse(text)
     except (SyntaxError, ValueError):
         return None
+
+
+def _spans_of(tree) -> list[tuple[int, int, str]]:
     spans = []
     seen: dict[str, int] = {}
 
@@ -103,6 +106,57 @@ def symbol_spans(text: str) -> Optional[list[tuple[int, int, str]]]:
 
     walk(tree, "")
     return spans
+
+
+def symbol_spans(text: str) -> Optional[list[tuple[int, int, str]]]:
+    """``(first, last, qualname)`` 0-based inclusive line spans of every def/class, or None
+    when ``text`` is not valid Python (decorators belong to their def)."""
+    tree = parse_python(text)
+    return None if tree is None else _spans_of(tree)
+
+
+class SymbolMap:
+    """The enclosing symbol of every line of one text, from one parse.
+
+    Built once per file text and asked once per hunk or line (:meth:`at`, :meth:`span`), so
+    placing or checking the hunks of a file costs one parse, not one per hunk. ``at`` gives
+    what :func:`enclosing_symbol` gives on :func:`symbol_spans` of the same text.
+    """
+
+    def __init__(self, text: str, tree=False):
+        """``tree``: ``parse_python(text)`` when the caller has it already (not parsed again)."""
+        tree = parse_python(text) if tree is False else tree
+        self.spans: Optional[list] = None if tree is None else _spans_of(tree)
+        self._inner: list = []
+        self._by_name: dict = {}
+        if self.spans is None:
+            return
+        width: list = []
+        for first, last, name in self.spans:  # innermost wins; of equal widths the first, as enclosing_symbol
+            self._by_name.setdefault(name, (first, last))
+            if last >= len(self._inner):
+                grow = last + 1 - len(self._inner)
+                self._inner += [""] * grow
+                width += [None] * grow
+            w = last - first
+            for line in range(first, last + 1):
+                if width[line] is None or w < width[line]:
+                    self._inner[line], width[line] = name, w
+
+    @property
+    def valid(self) -> bool:
+        """Whether the text is valid Python."""
+        return self.spans is not None
+
+    def at(self, line: int) -> Optional[str]:
+        """Innermost qualname holding 0-based ``line``; ``""`` module level; None if not Python."""
+        if self.spans is None:
+            return None
+        return self._inner[line] if 0 <= line < len(self._inner) else ""
+
+    def span(self, name: str) -> Optional[tuple[int, int]]:
+        """``(first, last)`` 0-based inclusive lines of the first symbol called ``name``, or None."""
+        return self._by_name.get(name)
 
 
 def _bound_names(stmt) -> list[str]:
@@ -127,46 +181,88 @@ def _binding_form(stmt, name: str) -> str:
     return ast.dump(stmt)
 
 
+class BindingMap:
+    """Every name bound at module level (scope ``""``) or directly in a class body (scope: the
+    class qualname) in one text, from one parse.
+
+    A binding's form (:func:`_binding_form`, a dump of the whole statement for a def) is
+    computed only when :meth:`forms` asks for that name, and the line index only when
+    :meth:`keys_at` is first asked: checking every hunk of a file costs one parse and one pass.
+    """
+
+    def __init__(self, text: str, tree=False):
+        """``tree``: ``parse_python(text)`` when the caller has it already (not parsed again)."""
+        tree = parse_python(text) if tree is False else tree
+        self.valid = tree is not None
+        #: (scope, name) -> [(first, last, statement)], 0-based inclusive lines (decorators
+        #: included), in file order
+        self.spans: dict = {}
+        self._forms: dict = {}
+        self._index: Optional[dict] = None
+        if tree is None:
+            return
+
+        def walk(body, scope):
+            for stmt in body:
+                first = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])]) - 1
+                for name in _bound_names(stmt):
+                    self.spans.setdefault((scope, name), []).append((first, stmt.end_lineno - 1, stmt))
+                if isinstance(stmt, ast.ClassDef):
+                    walk(stmt.body, (scope + "." if scope else "") + stmt.name)
+
+        walk(tree.body, "")
+
+    def forms(self, key) -> list:
+        """The forms of every binding of ``key`` (``(scope, name)``), in file order."""
+        if key not in self._forms:
+            self._forms[key] = [_binding_form(stmt, key[1]) for _f, _l, stmt in self.spans.get(key, [])]
+        return self._forms[key]
+
+    def keys_at(self, lines: Sequence[int]) -> set:
+        """``(scope, name)`` of every binding whose statement holds one of the 0-based ``lines``."""
+        if self._index is None:
+            self._index = {}
+            for key, spans in self.spans.items():
+                for first, last, _stmt in spans:
+                    for line in range(first, last + 1):
+                        self._index.setdefault(line, set()).add(key)
+        out: set = set()
+        for line in lines:
+            out |= self._index.get(line, set())
+        return out
+
+
+def _binding_map(text) -> BindingMap:
+    return text if isinstance(text, BindingMap) else BindingMap(text)
+
+
 def bindings(text: str) -> Optional[dict]:
     """``{(scope, name): [(first, last, form), ...]}``: every name bound at module level (scope
     ``""``) or directly in a class body (scope: the class qualname), with the 0-based inclusive
     line span of each binding statement (decorators included) and its form
     (:func:`_binding_form`), in file order; None when ``text`` is not valid Python."""
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
+    found = BindingMap(text)
+    if not found.valid:
         return None
-    out: dict = {}
-
-    def walk(body, scope):
-        for stmt in body:
-            first = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])]) - 1
-            for name in _bound_names(stmt):
-                out.setdefault((scope, name), []).append((first, stmt.end_lineno - 1, _binding_form(stmt, name)))
-            if isinstance(stmt, ast.ClassDef):
-                walk(stmt.body, (scope + "." if scope else "") + stmt.name)
-
-    walk(tree.body, "")
-    return out
+    return {key: [(first, last, form) for (first, last, _s), form in zip(spans, found.forms(key))]
+            for key, spans in found.spans.items()}
 
 
-def bindings_at(text: str, lines: Sequence[int]) -> set:
+def bindings_at(text, lines: Sequence[int]) -> set:
     """``(scope, name)`` of every module/class-level binding whose statement holds one of the
-    0-based ``lines`` of ``text`` (empty for invalid Python)."""
-    found = bindings(text) or {}
-    return {key for key, spans in found.items() for first, last, _form in spans
-            if any(first <= ln <= last for ln in lines)}
+    0-based ``lines`` of ``text`` (a str, or its :class:`BindingMap`; empty for invalid Python)."""
+    return _binding_map(text).keys_at(lines)
 
 
-def new_bindings(before: str, after: str, keys) -> list:
+def new_bindings(before, after, keys) -> list:
     """Of ``keys`` (``(scope, name)``), those ``after`` binds more often than ``before`` does
     with a form ``before`` does not already give it (an identical second import or statement
-    is not a new binding), sorted."""
-    was, now = bindings(before) or {}, bindings(after) or {}
+    is not a new binding), sorted. ``before``/``after``: texts or their :class:`BindingMap`."""
+    was, now = _binding_map(before), _binding_map(after)
     out = []
     for key in sorted(keys):
-        old, new = was.get(key, []), now.get(key, [])
-        if len(new) > len(old) and not {f for *_, f in new} <= {f for *_, f in old}:
+        old, new = was.spans.get(key, []), now.spans.get(key, [])
+        if len(new) > len(old) and not set(now.forms(key)) <= set(was.forms(key)):
             out.append(key)
     return out
 
@@ -301,6 +397,8 @@ class FileState:
     mode_origin: Optional[str] = None
     last_offset: int = 0
     hunk_growth: int = 0
+    #: how the last :meth:`apply_hunk` placed a hunk whose context matched more than once
+    placed: Optional[dict] = None
 
     @classmethod
     def from_base(cls, path: str, text: Optional[str]) -> "FileState":
@@ -364,7 +462,8 @@ class FileState:
         return True
 
     def apply_hunk(self, hunk, origin: str, source_symbol: Optional[str] = None,
-                   source_text: Optional[str] = None) -> int:
+                   source_text: Optional[str] = None, base_symbols: Optional[SymbolMap] = None,
+                   by_header: bool = False) -> int:
         """Apply one unified-diff hunk (unidiff ``Hunk`` or :class:`HunkLines`) with zero fuzz;
         return its line offset (0 = in place, counted like GNU patch: against the header line
         plus the growth of earlier hunks of this file).
@@ -374,7 +473,18 @@ class FileState:
         (``""`` module level; None: unknown, placement by nearest match as GNU patch does),
         or ``"?"`` to compute it from ``source_text`` (the file the hunk was made against)
         at the header position. Among matches in that symbol the one nearest the expected
-        line wins only when it is the only one; two in the symbol are refused.
+        line wins only when it is the only one; two in the symbol are refused, unless
+        ``by_header`` (a carried hunk, placed as ``git apply`` places it): then the match at the
+        line the header names (its ``-`` line, moved by what earlier hunks of this file added
+        or removed) wins, else the match nearest that line, and only two equally near ones
+        are refused. :attr:`placed` says how the hunk was placed when its context matched
+        more than once (``{"placed": "header" or "nearest", "matches": [base lines]}``), else None.
+
+        ``base_symbols`` (the :class:`SymbolMap` of this file's base text): the symbol of a
+        match is looked up through the line tags, at the base line it is (the hunk was made
+        against the base), so placing every hunk of a file costs no parse; a line an origin
+        wrote is looked up in one parse of the current text. Without it, the current text is
+        parsed once per call.
 
         Raises:
             ApplyError: not found, found only in another symbol, found twice in the symbol,
@@ -391,24 +501,22 @@ class FileState:
             self.exists = True
             return 0
         if source_symbol == "?":
-            source_symbol = enclosing_symbol(symbol_spans(source_text or ""),
-                                             anchor_line(source, h.changes, h.header_pos))
-        n = len(source)
-        matches = [i for i in range(len(self.lines) - n + 1) if self.lines[i:i + n] == source]
+            source_symbol = SymbolMap(source_text or "").at(anchor_line(source, h.changes, h.header_pos))
+        matches = _matches(self.lines, source)
         where = f"{self.path}: hunk {_header(h)} of origin {origin}"
+        self.placed = None
         if not matches:
-            m = len(target)
-            if target and target != source and any(self.lines[i:i + m] == target for i in range(len(self.lines) - m + 1)):
+            if target and target != source and _matches(self.lines, target):
                 raise _refused(f"{where} is already applied: its result is already in the file.", "already",
                                hint=_ALREADY_HINT)
             raise _refused(
                 f"{where} does not apply with zero fuzz (its context or removed lines differ from the tree)"
                 f"{_line_ending_note(source, self.lines)}.", "differs")
         chosen = matches
-        spans = symbol_spans(self.text) if source_symbol is not None else None
-        if spans is not None:
-            by_symbol = {i: enclosing_symbol(spans, anchor_line(source, h.changes, i)) for i in matches}
-            chosen = [i for i in matches if by_symbol[i] == source_symbol]
+        symbol_of = self._symbol_lookup(base_symbols) if source_symbol is not None else None
+        if symbol_of is not None:
+            by_symbol = {i: symbol_of(anchor_line(source, h.changes, i)) for i in matches}
+            chosen = [i for i in matches if by_symbol[i] in (source_symbol, _UNKNOWN)]
             label = source_symbol or "module level"
             if not chosen:
                 elsewhere = sorted({by_symbol[i] or "module level" for i in matches})
@@ -416,17 +524,73 @@ class FileState:
                     f"{where} belongs in {label}, but its context matches only in {', '.join(elsewhere)} "
                     f"(line {matches[0] + 1}); it was not placed there.", "elsewhere",
                     hint="Regenerate the hunk against the pinned base so that it lands in the right symbol.")
-            if len(chosen) > 1:
+            if len(chosen) > 1 and not by_header:
                 raise _refused(
                     f"{where}: its context matches {len(chosen)} times inside {label} (lines "
                     f"{', '.join(str(i + 1) for i in chosen)}); the tool does not guess which.", "twice",
                     hint="Give the hunk more context (git diff -U5) so that it matches once.")
-        start = min(chosen, key=lambda i: (abs(i - expected), i))
+        if len(chosen) > 1 and by_header:
+            start = self._by_header(chosen, h, where, source_symbol)
+        else:
+            start = min(chosen, key=lambda i: (abs(i - expected), i))
         self._apply_at(start, h, origin)
         offset = start - (h.header_pos + self.hunk_growth)
         self.hunk_growth += len(target) - len(source)
         self.last_offset = start - h.header_pos + len(target) - len(source)
         return offset
+
+    def _symbol_lookup(self, base_symbols: Optional[SymbolMap]):
+        """``line -> enclosing symbol`` of the current lines (``_UNKNOWN`` where it cannot be
+        told), or None when the file is not Python (then placement ignores symbols)."""
+        current: list = []
+
+        def now() -> SymbolMap:
+            if not current:
+                current.append(SymbolMap(self.text))
+            return current[0]
+
+        if base_symbols is None:
+            return now().at if now().valid else None
+        if not base_symbols.valid:
+            return None
+
+        def at(line: int):
+            tag = self.tags[line] if 0 <= line < len(self.tags) else None
+            if tag is not None and tag[0] == "base":
+                return base_symbols.at(tag[1])
+            sym = now().at(line)  # a line an origin wrote: one parse of the current text
+            return _UNKNOWN if sym is None else sym
+        return at
+
+    def _base_line(self, i: int) -> int:
+        """1-based line of the base that current line ``i`` is (the current line where an origin wrote it)."""
+        tag = self.tags[i] if 0 <= i < len(self.tags) else None
+        return tag[1] + 1 if tag is not None and tag[0] == "base" else i + 1
+
+    def _by_header(self, chosen: list, h: "HunkLines", where: str, symbol: Optional[str]) -> int:
+        """Where a carried hunk whose context matches at every line of ``chosen`` goes, as
+        ``git apply`` puts it: at the line its header names, else at the nearest match; two
+        equally near ones are refused, quoting every candidate line."""
+        at = h.header_pos + self.hunk_growth
+        lines = [self._base_line(i) for i in chosen]
+        if at in chosen:
+            start, how = at, "header"
+        else:
+            best = min(abs(i - at) for i in chosen)
+            near = [i for i in chosen if abs(i - at) == best]
+            if len(near) > 1:
+                label = "module level" if symbol == "" else symbol or "the file"
+                raise _refused(
+                    f"{where}: its context matches {len(chosen)} times inside {label} (lines "
+                    f"{', '.join(map(str, lines))} of the base); none is at line {h.header_pos + 1}, the line its "
+                    f"header names, and lines {' and '.join(str(self._base_line(i)) for i in near)} are equally near "
+                    "it; the tool does not guess which.", "twice",
+                    hint=f"Make the hunk's @@ line name the line where it belongs (a `git diff` against the pinned "
+                         f"base writes it so), or widen its context until it matches once: one of lines "
+                         f"{', '.join(map(str, lines))}.")
+            start, how = near[0], "nearest"
+        self.placed = {"placed": how, "matches": lines}
+        return start
 
     def _apply_at(self, start: int, h: HunkLines, origin: str) -> None:
         # walk source and target together: changes are (source index, kind) in hunk order
@@ -448,6 +612,29 @@ class FileState:
                 self._splice(pos, pos, [tgt[tgt_i]], origin)
                 pos += 1
                 tgt_i += 1
+
+
+#: the symbol of a line that cannot be told (an origin's line in a file that no longer parses):
+#: it matches any symbol, as a file that is not Python does
+_UNKNOWN = object()
+
+
+def _matches(lines: list, source: list) -> list:
+    """Every 0-based ``i`` where ``lines[i:i + len(source)] == source`` (``source`` not empty),
+    in order; the candidates are found by ``list.index`` on the first line."""
+    n, out, i = len(source), [], 0
+    last = len(lines) - n
+    if last < 0:
+        return out
+    first = source[0]
+    while True:
+        try:
+            i = lines.index(first, i, last + 1)
+        except ValueError:
+            return out
+        if lines[i:i + n] == source:
+            out.append(i)
+        i += 1
 
 
 def _refused(message: str, reason: str, hint: Optional[str] = None) -> ApplyError:

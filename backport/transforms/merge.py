@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 from ..errors import ApplyError
 from ..gitenv import isolated
-from ..workspace import split_lines, symbol_spans
+from ..workspace import SymbolMap, split_lines
 
 CONFLICT_HINT = (
     "The carried patch and the recipe step change the same lines of this function. Either edit the carried "
@@ -40,14 +40,10 @@ CONFLICT_HINT = (
 )
 
 
-def _span(text: str, qualname: str) -> Optional[tuple[int, int]]:
-    spans = symbol_spans(text)
-    if spans is None:
-        return None
-    for first, last, name in spans:
-        if name == qualname:
-            return first, last + 1
-    return None
+def _span(symbols: SymbolMap, qualname: str) -> Optional[tuple[int, int]]:
+    """``(first, end)`` 0-based lines of the first symbol called ``qualname`` (end exclusive), or None."""
+    span = symbols.span(qualname) if symbols.valid else None
+    return None if span is None else (span[0], span[1] + 1)
 
 
 def merge3(ours: str, base: str, theirs: str, favour_ours: bool = False) -> tuple[str, int]:
@@ -179,12 +175,21 @@ def merge_carried_functions(base: str, before: str, after: str, hunks: list, ste
 
     symbols = sorted(set().union(*(syms(h) for h in hunks)) if hunks else set())
     what = f"transform {step.transform}" if getattr(step, "transform", None) else step.kind
+    # one parse of each version of the file for all its symbols (``after`` again only when a merge changed it)
+    maps = {"base": SymbolMap(base), "before": SymbolMap(before)}
+    after_map = [after, SymbolMap(after)]
+
+    def after_symbols() -> SymbolMap:
+        if after_map[0] is not after:
+            after_map[:] = [after, SymbolMap(after)]
+        return after_map[1]
+
     # innermost first would merge twice; keep only outermost touched symbols that are functions
     # or classes present in all three versions
     for qual in symbols:
         if any(qual.startswith(other + ".") for other in symbols if other != qual):
             continue
-        spans = [_span(t, qual) for t in (base, before, after)]
+        spans = [_span(m, qual) for m in (maps["base"], maps["before"], after_symbols())]
         own = [h for h in hunks if any(s == qual or s.startswith(qual + ".") for s in syms(h))]
         if spans[0] is None and spans[1] is not None:  # the carry added this symbol
             c_lines = split_lines(before)[spans[1][0]:spans[1][1]]
@@ -345,7 +350,7 @@ def _merge_symbol(base: str, carried: str, after: str, qual: str, own: list, sup
     """``after`` with the symbol ``qual`` three-way merged (ancestor ``base``, ours the step's
     ``after``, theirs ``carried``); None when the symbol is missing in one of them or a conflict
     is not kept by the new code nor caused only by superseded carried hunks."""
-    spans = [_span(t, qual) for t in (base, carried, after)]
+    spans = [_span(SymbolMap(t), qual) for t in (base, carried, after)]
     if None in spans:
         return None
     b_sym, c_sym, a_sym = ("".join(split_lines(t)[s:e]) for t, (s, e) in zip((base, carried, after), spans))
