@@ -268,6 +268,11 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
     if release and (check or list_hunks):
         raise UsageError("--release makes new outputs; it excludes --check and --list-hunks.",
                          hint="Drop --release, or run it on its own.")
+    if release and no_import_check:
+        raise UsageError("--release makes a new lock, and a lock states that every check ran: it excludes "
+                         "--no-import-check.",
+                         hint="Drop --no-import-check and pass --python an interpreter with torch, triton 3.6.0 "
+                              "and FLA 0.4.2 (e.g. $PWD/.venv/bin/python after `make venv`).")
 
     def options(day: Optional[str]) -> "run_options.Options":
         return run_options.Options(
@@ -334,6 +339,15 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         written = output.write(build, out, trees=not no_trees, warn=lambda msg: click.echo(msg, err=True))
         build.timings["write_s"] = time.perf_counter() - t0
         out_console.print(_summary(build, written, "write"))
+        skipped = output.skipped_checks(build.manifest)
+        if skipped:
+            flags = " ".join(flag for _name, flag in skipped)
+            state = ("not written (there was none)" if not (out / output.LOCK).exists() else
+                     "left alone" + (f" (dated {old_lock.get('date')})" if old_lock and old_lock.get("date") else ""))
+            click.echo(f"lock: {out / output.LOCK} {state}: this run skipped {output.describe_skipped(skipped)}, and a "
+                       f"lock states that every check ran; the other outputs were written. Run without {flags} to "
+                       "write or check the lock.", err=True)
+            return
         new_lock = output.lock_data(build)
         committed = _committed_lock(out)
         changes = output.lock_changes(old_lock, new_lock)

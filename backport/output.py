@@ -30,6 +30,12 @@ folder on the way to one below the output root may be a symbolic link (:func:`re
 the output root may not lie inside the trees of another output root (:func:`refuse_nested_out`).
 Files in ``build/tree/*`` that the tool did not write are named in one warning line before the
 trees are replaced (:func:`foreign_tree_files`).
+
+A lock states that every check ran: a build that skipped one (``--no-import-check``; the manifest
+names it, :func:`skipped_checks`) writes its other outputs but never creates, rewrites or
+re-dates ``manifests/lock.json``; its switch has no lock to commit on and always rolls forward.
+``--check`` of such a build compares what it can and names what it did not check
+(:func:`check`).
 """
 
 from __future__ import annotations
@@ -76,6 +82,30 @@ StepHook = Optional[Callable[[str], None]]
 def canonical_json(data) -> bytes:
     """The one JSON writer: sorted keys, indent 2, trailing newline, UTF-8."""
     return (json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def skipped_checks(manifest: dict) -> list[tuple[str, str]]:
+    """``(check, flag)`` for every verification check a run skipped (``("imports",
+    "--no-import-check")``); empty when every check ran. Manifests written before the
+    ``skipped_by`` field say it in their detail (``skipped by --no-import-check``)."""
+    found = []
+    checks = manifest.get("verification") if isinstance(manifest, dict) else None
+    for c in checks if isinstance(checks, list) else []:
+        if not isinstance(c, dict):
+            continue
+        flag = c.get("skipped_by")
+        detail = str(c.get("detail", ""))
+        if not flag and not c.get("ok") and detail.startswith("skipped by "):
+            flag = detail[len("skipped by "):]
+        if flag:
+            found.append((str(c.get("check")), str(flag)))
+    return found
+
+
+def describe_skipped(skipped: list[tuple[str, str]]) -> str:
+    """``the import check (--no-import-check)``, for messages; several joined with ``and``."""
+    return " and ".join(("the import check" if name == "imports" else f"the {name} check") + f" ({flag})"
+                        for name, flag in skipped)
 
 
 def lock_data(build) -> dict:
@@ -358,10 +388,12 @@ def recover(root: Path, on_step: StepHook = None) -> "str | None":
         done.append(f"removed the unfinished staging folder {TXN} of a killed run")
         return "; ".join(done)
     refuse_links(root, list(journal["targets"]) + [LOCK])
-    if _sha256_file(root / LOCK) == journal["lock_sha256"]:
+    if journal["lock_sha256"] is None or _sha256_file(root / LOCK) == journal["lock_sha256"]:
         for rel in journal["targets"]:
             _redo(root, txn, rel, step)
-        done.append(f"completed the switch of a killed run (its {LOCK} was already in place)")
+        done.append(f"completed the switch of a killed run (its {LOCK} was already in place)"
+                    if journal["lock_sha256"] else
+                    f"completed the switch of a killed run (it skipped a check, so it left {LOCK} alone)")
     else:
         _rollback(root, txn, journal, step)
         done.append(f"rolled back the switch of a killed run (its {LOCK} was not yet in place)")
@@ -375,8 +407,10 @@ def write(build, root: Path, trees: bool = True, on_step: StepHook = None,
     """Write all outputs under ``root`` all at once; return the written paths.
 
     Stages everything under ``root/build/.gdn/txn/new``, writes the journal, switches the
-    files and trees in, and replaces ``manifests/lock.json`` last (the commit point). Call
-    it holding the output lock (:data:`OUTPUT_LOCK`; the CLI does).
+    files and trees in, and replaces ``manifests/lock.json`` last (the commit point). A build
+    that skipped a check (:func:`skipped_checks`) leaves the lock as it is (or absent): its
+    switch commits with the journal and a killed one is rolled forward. Call it holding the
+    output lock (:data:`OUTPUT_LOCK`; the CLI does).
 
     Args:
         build: the verified build.
@@ -395,8 +429,11 @@ def write(build, root: Path, trees: bool = True, on_step: StepHook = None,
     """
     step = on_step or (lambda _name: None)
     files = rendered(build)
-    targets = [rel for rel in files if rel != LOCK] + (list(TREES) if trees else [])
+    skipped = skipped_checks(build.manifest)
     every = list(files) + list(TREES) + list(FIXED_PATHS)
+    if skipped:  # a lock states that every check ran: this build's is never written
+        del files[LOCK]
+    targets = [rel for rel in files if rel != LOCK] + (list(TREES) if trees else [])
     refuse_links(root, every)
     root.mkdir(parents=True, exist_ok=True)
     recover(root, step)
@@ -425,7 +462,8 @@ def write(build, root: Path, trees: bool = True, on_step: StepHook = None,
         refuse_links(root, every)  # again: a link made while staging is not written through either
         journal = {"schema": 1, "targets": targets,
                    "existed": {rel: _exists(root / rel) for rel in targets},
-                   "lock_sha256": hashlib.sha256(files[LOCK]).hexdigest()}
+                   # None: a build that skipped a check writes no lock; its switch rolls forward
+                   "lock_sha256": hashlib.sha256(files[LOCK]).hexdigest() if LOCK in files else None}
         doing = f"writing the journal {txn / 'journal.json'}"
         _write_file(txn / "journal.json.tmp", canonical_json(journal))
         os.replace(txn / "journal.json.tmp", txn / "journal.json")
@@ -440,11 +478,12 @@ def write(build, root: Path, trees: bool = True, on_step: StepHook = None,
         for rel in targets:
             doing = f"switching in {rel}"
             _redo(root, txn, rel, step)
-        doing = f"replacing {LOCK}"
-        (root / LOCK).parent.mkdir(parents=True, exist_ok=True)
-        os.replace(new / LOCK, root / LOCK)
-        _fsync_dir((root / LOCK).parent)
-        step(f"commit {LOCK}")
+        if LOCK in files:
+            doing = f"replacing {LOCK}"
+            (root / LOCK).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(new / LOCK, root / LOCK)
+            _fsync_dir((root / LOCK).parent)
+            step(f"commit {LOCK}")
     except OSError as exc:
         try:
             _rollback(root, txn, journal, lambda _name: None)
@@ -538,18 +577,29 @@ def check(build, root: Path, warn: Callable[[str], None] = _stderr) -> dict[str,
     equal, or all be absent, as in a fresh clone where only the lock is committed: the lock
     holds the patch's and the manifest's sha256, so comparing it compares them.
 
-    Files in ``build/tree/*`` that the fresh lock does not list (a plain run would delete
-    them) are named in one warning line (``warn``); they are no mismatch.
+    Pins (and the recipe) that differ from the lock's are named first, alone: every output
+    differs with them, so nothing else is compared or warned about.
+
+    A build that skipped a check (``--no-import-check``) compares what it can: the skipped
+    check's result is taken from the manifest on disk as it is (one ``warn`` line says so), and
+    when no manifest on disk holds it, the lock is compared but for its ``manifest_sha256``.
+
+    Files in ``build/tree/*`` that neither the fresh lock nor the lock on disk lists (a plain
+    run would delete them) are named in one warning line (``warn``); they are no mismatch.
 
     Returns:
-        relative path -> ``"identical"`` or :data:`PINNED_BY_LOCK`, sorted by path.
+        relative path -> ``"identical"``, :data:`PINNED_BY_LOCK` or what was left out, sorted by path.
 
     Raises:
-        CheckMismatch: listing every path that is missing or differs.
+        CheckMismatch: the pins differ from the lock's (naming each), or listing every path that
+            is missing or differs.
         OutputLinkError: an output path, or a folder on the way to one, is a symbolic link.
     """
+    refuse_links(root, list(rendered(build)) + list(TREES) + list(FIXED_PATHS))
+    disk_lock = _json_on_disk(root / LOCK)
+    _refuse_other_pins(build, root, disk_lock)
+    build, unchecked = _adopt_skipped(build, root, warn)
     files = rendered(build)
-    refuse_links(root, list(files) + list(TREES) + list(FIXED_PATHS))
     generated = [rel for rel in files if rel != LOCK]
     lock_only = not any((root / rel).exists() for rel in generated)
     report, diffs = {}, []
@@ -560,6 +610,12 @@ def check(build, root: Path, warn: Callable[[str], None] = _stderr) -> dict[str,
                 report[rel] = PINNED_BY_LOCK
             else:
                 diffs.append(f"{rel} (missing)")
+        elif rel == LOCK and unchecked:
+            verdict, problem = _lock_but_manifest(json.loads(data), disk_lock, root, unchecked)
+            if problem:
+                diffs.append(f"{rel} ({problem})")
+            else:
+                report[rel] = verdict
         elif path.read_bytes() != data:
             detail = "differs"
             if rel == LOCK:
@@ -575,8 +631,9 @@ def check(build, root: Path, warn: Callable[[str], None] = _stderr) -> dict[str,
     # The trees, when on disk, must be the ones the fresh lock pins (a --no-trees run or an
     # edit after the run would otherwise leave trees that disagree with the patch unnoticed).
     fresh_lock = json.loads(files[LOCK])
-    _warn_foreign(foreign_tree_files(root, {rel: _lock_tree_ids(fresh_lock, which) for rel, which
-                                            in zip(TREES, ("base", "patched")) if (root / rel).is_dir()}),
+    _warn_foreign(foreign_tree_files(root, {rel: _lock_tree_ids(fresh_lock, which) | _lock_tree_ids(disk_lock, which)
+                                            for rel, which in zip(TREES, ("base", "patched"))
+                                            if (root / rel).is_dir()}),
                   root, "a plain run replaces build/tree/base and build/tree/patched and so", warn)
     for rel, which in zip(TREES, ("base", "patched")):
         if not (root / rel / "megatron").is_dir() or f"{which}_tree_sha256" not in fresh_lock:
@@ -592,6 +649,93 @@ def check(build, root: Path, warn: Callable[[str], None] = _stderr) -> dict[str,
     return report
 
 
+#: The flag that sets each pin of the lock (the rest follow from them or from the recipe).
+PIN_FLAGS = {"megatron_bridge": "--bridge", "mcore_base": "--mcore-base", "upstream": "--upstream"}
+
+
+def _refuse_other_pins(build, root: Path, disk_lock: dict) -> None:
+    """Raise :class:`CheckMismatch` naming each pin of the build that differs from the lock's
+    (Megatron-Bridge, MCore base, upstream), the lock's value first; nothing when the lock has
+    no pins (absent or malformed: the comparison names that)."""
+    old = disk_lock.get("pins")
+    if not isinstance(old, dict):
+        return
+    new = build.manifest["pins"]
+    differ = [key for key in PIN_FLAGS if key in old and old.get(key) != new.get(key)]
+    if not differ:
+        return
+    said = "; ".join(f"{key} {str(old[key])[:12]} in the lock, {str(new.get(key))[:12]} in this check "
+                     f"({PIN_FLAGS[key]})" for key in differ)
+    flags = " / ".join(PIN_FLAGS[key] for key in differ)
+    lock_args = " ".join(f"{PIN_FLAGS[key]} {str(old[key])[:12]}" for key in differ)
+    raise CheckMismatch(
+        f"the pins of this check differ from {root / LOCK}: {said}; every output differs with other pins, "
+        "so nothing else was compared",
+        hint=f"Check with the lock's pins: drop {flags} (--check takes the Megatron-Bridge pin from the lock; "
+             f"pass {lock_args} where it does not); or, to check other pins, write them to a --out of their own "
+             "first and pass that --out to --check.")
+
+
+def _adopt_skipped(build, root: Path, warn: Callable[[str], None]):
+    """``(build, unchecked)`` for ``--check``: each check the build skipped takes its result
+    from the manifest on disk, when one there holds it (that run ran it), so that the manifests
+    and the lock compare byte for byte; ``unchecked`` lists the skipped checks whose result no
+    manifest on disk holds. One ``warn`` line says what was not checked."""
+    import dataclasses
+
+    skipped = skipped_checks(build.manifest)
+    if not skipped:
+        return build, []
+    stem = build.manifest["patch"]["name"][: -len(".patch")]
+    disk, source = {}, None
+    for rel in (f"patches/megatron/{stem}.manifest.json", "patches/latest/manifest.json"):
+        disk = _json_on_disk(root / rel)
+        if disk:
+            source = rel
+            break
+    skipped_there = {name for name, _flag in skipped_checks(disk)}
+    results = {c["check"]: c for c in disk.get("verification") or [] if isinstance(c, dict) and "check" in c
+               and c["check"] not in skipped_there and c.get("ok") is True} if isinstance(
+                   disk.get("verification"), list) else {}
+    names = {name for name, _flag in skipped}
+    taken = [name for name in names if name in results]
+    unchecked = [(name, flag) for name, flag in skipped if name not in results]
+    what = describe_skipped(skipped)
+    if not unchecked:
+        manifest = dict(build.manifest)
+        manifest["verification"] = [results[c["check"]] if c["check"] in names else c for c in manifest["verification"]]
+        warn(f"check: not checked: {what}; its result was taken as written in {root / source} (the run that "
+             "wrote it ran it); everything else is compared as usual")
+        return dataclasses.replace(build, manifest=manifest), []
+    where = (f"{root / source} records it as skipped too" if source else
+             f"no manifest on disk records its result")
+    warn(f"check: not checked: {what}; {where}, so the lock's manifest_sha256 is compared with the manifest on "
+         "disk, not with a fresh one; everything else is compared as usual" if source else
+         f"check: not checked: {what}; {where}, so the lock's manifest_sha256 is not compared; everything else "
+         "is compared as usual")
+    return build, unchecked
+
+
+def _lock_but_manifest(fresh: dict, disk_lock: dict, root: Path, unchecked: list) -> tuple[str, "str | None"]:
+    """(verdict, problem) of the lock on disk against a fresh lock whose ``manifest_sha256`` the
+    build could not make (``unchecked`` checks skipped): every other field must be equal, and its
+    ``manifest_sha256`` must be the sha256 of ``patches/latest/manifest.json`` when that is on disk."""
+    if not disk_lock:
+        return "", "not a lock"
+    changes = lock_changes({k: v for k, v in disk_lock.items() if k != "manifest_sha256"},
+                           {k: v for k, v in fresh.items() if k != "manifest_sha256"})
+    if changes:
+        return "", "differs: " + "; ".join(changes)
+    latest = root / "patches/latest/manifest.json"
+    flags = ", ".join(flag for _name, flag in unchecked)
+    if latest.is_file():
+        if _sha256_file(latest) != disk_lock.get("manifest_sha256"):
+            return "", ("differs: its manifest_sha256 is not that of patches/latest/manifest.json, which was "
+                        f"written by a run with {flags}")
+        return "identical (its manifest_sha256 is that of patches/latest/manifest.json)", None
+    return f"identical but manifest_sha256, not compared ({flags})", None
+
+
 def _json_on_disk(path: Path) -> dict:
     """The JSON object in ``path``; {} when it is missing, unreadable or not an object."""
     try:
@@ -602,8 +746,15 @@ def _json_on_disk(path: Path) -> dict:
 
 
 def _mismatch_hint(build, root: Path) -> "str | None":
-    """A hint naming the usual causes, a carry or date mismatch; None keeps the class's."""
+    """A hint naming the usual causes, a carry or date mismatch, or outputs written by a run that
+    skipped a check; None keeps the class's."""
     latest = _json_on_disk(root / "patches/latest/manifest.json")
+    skipped_there = skipped_checks(latest)
+    if skipped_there:
+        flags = " ".join(flag for _name, flag in skipped_there)
+        return (f"patches/latest was written by a run that skipped {describe_skipped(skipped_there)}, which "
+                f"left {LOCK} alone: run `tools/backport` without {flags} (it rewrites them and checks the lock), "
+                "then --check again.")
     disk_carry = latest.get("carry") if isinstance(latest.get("carry"), dict) else None
     run_carry = build.manifest.get("carry")
     if disk_carry and (not isinstance(run_carry, dict) or run_carry.get("sha256") != disk_carry.get("sha256")):

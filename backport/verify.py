@@ -219,7 +219,8 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress,
         checks.append({"check": "imports", "ok": True,
                        "detail": f"{len(recipe.import_check)} modules imported; cp_context accepted; {versions}"})
     else:
-        checks.append({"check": "imports", "ok": False, "detail": "skipped by --no-import-check"})
+        checks.append({"check": "imports", "ok": False, "detail": "skipped by --no-import-check",
+                       "skipped_by": "--no-import-check"})
     checks.append(carry_survival(run))
     return checks
 

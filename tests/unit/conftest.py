@@ -20,6 +20,8 @@ import pytest
 import yaml
 
 DATA = Path(__file__).resolve().parent / "data"
+#: ``--python`` for runs that must run every check (a lock is written only then): see data/stub_python
+STUB_PYTHON = str(DATA / "stub_python")
 
 GIT_ENV = {
     "GIT_AUTHOR_NAME": "A U Thor", "GIT_AUTHOR_EMAIL": "author@example.com",
@@ -266,12 +268,13 @@ def carry_patch(tmp_path, fake_repos) -> Path:
 
 @pytest.fixture
 def make_options(tmp_path, fake_repos):
-    """``make_options(recipe, **overrides)``: engine Options on the fake repos, no import check."""
+    """``make_options(recipe, **overrides)``: engine Options on the fake repos; the import check runs
+    with the stub interpreter (``STUB_PYTHON``), so every check runs."""
     from backport.options import Options
 
     def make(recipe_path: Path, **kw) -> Options:
         defaults = dict(megatron_lm=str(fake_repos.mlm), megatron_bridge=str(fake_repos.bridge_repo),
-                        cache_dir=tmp_path / "cache", date="20260102", import_check=False)
+                        cache_dir=tmp_path / "cache", date="20260102", python=STUB_PYTHON)
         defaults.update(kw)
         return Options(recipe=recipe_path, **defaults)
 

@@ -23,7 +23,7 @@ from backport.errors import SourceError
 from backport.sources import is_shallow, open_source
 from backport.tree import assemble_base_tree, verify_entry
 
-from conftest import git, recipe_data, write_recipe
+from conftest import STUB_PYTHON, git, recipe_data, write_recipe
 
 pytestmark = pytest.mark.usefixtures("engine_env")
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _args(fake_repos, recipe: Path, cache: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, str(REPO / "tools/backport"), "--recipe", str(recipe), "--megatron-lm", str(fake_repos.mlm),
             "--megatron-bridge", str(fake_repos.bridge_repo), "--cache-dir", str(cache), "--out", str(out),
-            "--no-import-check", "--date", "2026-01-02", *extra]
+            "--python", STUB_PYTHON, "--date", "2026-01-02", *extra]
 
 
 def _start(args: list[str]) -> subprocess.Popen:

@@ -14,7 +14,7 @@ from backport.engine import build
 from backport.options import Options, parse_date
 from backport.errors import ApplyError, PinError, RecipeError, SourceError, UsageError, VerificationError
 
-from conftest import recipe_data, write_recipe
+from conftest import STUB_PYTHON, recipe_data, write_recipe
 
 pytestmark = pytest.mark.usefixtures("engine_env")
 
@@ -25,7 +25,7 @@ def built(fake_repos, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("built")
     path = write_recipe(tmp / "fake.yaml", recipe_data(fake_repos))
     opts = Options(recipe=path, megatron_lm=str(fake_repos.mlm), megatron_bridge=str(fake_repos.bridge_repo),
-                   cache_dir=tmp / "cache", date="20260102", import_check=False)
+                   cache_dir=tmp / "cache", date="20260102", python=STUB_PYTHON)
     return build(opts), opts
 
 
@@ -81,8 +81,19 @@ def test_verification_records(built):
     checks = {c["check"]: c for c in built[0].manifest["verification"]}
     assert list(checks) == ["deterministic", "applies", "no_conflict_markers", "byte_compiles", "verbatim_files",
                             "forbidden_strings", "imports", "carry_survival"]
+    assert all(c["ok"] for c in checks.values())
+    assert checks["imports"]["detail"].startswith("0 modules imported; cp_context accepted; ")  # the stub's answer
+
+
+def test_a_skipped_check_is_recorded_with_the_flag_that_skipped_it(recipe, make_options):
+    from backport.output import skipped_checks
+
+    m = build(make_options(recipe, import_check=False)).manifest
+    checks = {c["check"]: c for c in m["verification"]}
+    assert checks["imports"] == {"check": "imports", "ok": False, "detail": "skipped by --no-import-check",
+                                 "skipped_by": "--no-import-check"}
+    assert skipped_checks(m) == [("imports", "--no-import-check")]
     assert all(c["ok"] for name, c in checks.items() if name != "imports")
-    assert checks["imports"] == {"check": "imports", "ok": False, "detail": "skipped by --no-import-check"}
 
 
 def test_file_taken_whole_equals_upstream_bytes(built, fake_repos):
@@ -213,7 +224,7 @@ def test_forbidden_string_from_a_step_fails_and_nothing_is_written(tmp_path, fak
     runner = CliRunner()
     result = runner.invoke(cli, ["--recipe", str(path), "--megatron-lm", str(fake_repos.mlm),
                                  "--megatron-bridge", str(fake_repos.bridge_repo), "--cache-dir", str(tmp_path / "c"),
-                                 "--no-import-check", "--date", "2026-01-02", "--out", str(tmp_path / "out")])
+                                 "--python", STUB_PYTHON, "--date", "2026-01-02", "--out", str(tmp_path / "out")])
     assert result.exit_code == 7, result.output
     assert "error: verification check 'forbidden_strings' failed: 'pad_between_seqs' in megatron/core/extras.py" in result.stderr
     assert "hint: " in result.stderr
@@ -421,7 +432,7 @@ def test_cli_errors_print_error_and_hint(tmp_path, fake_repos, recipe, args, cod
 
 def test_cli_list_hunks_dry_run_and_check(tmp_path, fake_repos, recipe):
     base = ["--recipe", str(recipe), "--cache-dir", str(tmp_path / "c"), "--megatron-lm", str(fake_repos.mlm),
-            "--megatron-bridge", str(fake_repos.bridge_repo), "--no-import-check", "--date", "2026-01-02"]
+            "--megatron-bridge", str(fake_repos.bridge_repo), "--python", STUB_PYTHON, "--date", "2026-01-02"]
     runner = CliRunner()
     listed = runner.invoke(cli, base + ["--list-hunks"])
     assert listed.exit_code == 0
@@ -442,7 +453,7 @@ def test_cli_list_hunks_dry_run_and_check(tmp_path, fake_repos, recipe):
 def test_cli_check_takes_the_lock_date(tmp_path, fake_repos, recipe):
     """Outputs written on one day still --check equal on a later day, and in a fresh clone."""
     base = ["--recipe", str(recipe), "--cache-dir", str(tmp_path / "c"), "--megatron-lm", str(fake_repos.mlm),
-            "--megatron-bridge", str(fake_repos.bridge_repo), "--no-import-check"]
+            "--megatron-bridge", str(fake_repos.bridge_repo), "--python", STUB_PYTHON]
     out = tmp_path / "out"
     runner = CliRunner()
     assert runner.invoke(cli, base + ["--date", "2026-01-02", "--out", str(out), "--no-trees"]).exit_code == 0
@@ -470,7 +481,7 @@ def test_progress_is_one_line_per_step_when_stderr_is_not_a_terminal(tmp_path, f
     """Piped stderr (CI, logs): every progress message stays on its own line, however long."""
     long_cache = tmp_path / ("a-rather-long-cache-folder-name-" * 4)
     base = ["--recipe", str(recipe), "--cache-dir", str(long_cache), "--megatron-lm", str(fake_repos.mlm),
-            "--megatron-bridge", str(fake_repos.bridge_repo), "--no-import-check", "--date", "2026-01-02",
+            "--megatron-bridge", str(fake_repos.bridge_repo), "--python", STUB_PYTHON, "--date", "2026-01-02",
             "--dry-run"]
     result = CliRunner().invoke(cli, base)
     assert result.exit_code == 0, result.output
@@ -486,7 +497,7 @@ def test_summary_prints_the_last_runs_table_without_rebuilding(tmp_path, fake_re
     assert missing.exit_code == 2
     assert "--summary:" in missing.stderr and "hint: Run `tools/backport" in missing.stderr
     base = ["--recipe", str(recipe), "--cache-dir", str(tmp_path / "c"), "--megatron-lm", str(fake_repos.mlm),
-            "--megatron-bridge", str(fake_repos.bridge_repo), "--no-import-check", "--date", "2026-01-02"]
+            "--megatron-bridge", str(fake_repos.bridge_repo), "--python", STUB_PYTHON, "--date", "2026-01-02"]
     assert runner.invoke(cli, base + ["--out", str(out), "--no-trees"]).exit_code == 0
     manifest = json.loads((out / "patches/latest/manifest.json").read_text(encoding="utf-8"))
     # no sources are opened: an unreadable cache and mirror do not matter

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from backport import engine, output
 from backport.cli import cli
 
-from conftest import git_diff, recipe_data, write_recipe
+from conftest import STUB_PYTHON, git_diff, recipe_data, write_recipe
 
 pytestmark = pytest.mark.usefixtures("engine_env")
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def readme_table() -> dict[int, str]:
 def base_args(tmp_path, fake_repos):
     recipe = write_recipe(tmp_path / "fake.yaml", recipe_data(fake_repos))
     return ["--recipe", str(recipe), "--megatron-lm", str(fake_repos.mlm), "--megatron-bridge", str(fake_repos.bridge_repo),
-            "--cache-dir", str(tmp_path / "cache"), "--no-import-check", "--date", "2026-01-02",
+            "--cache-dir", str(tmp_path / "cache"), "--python", STUB_PYTHON, "--date", "2026-01-02",
             "--out", str(tmp_path / "out")]
 
 
@@ -328,7 +328,7 @@ def test_runs_under_the_c_locale_with_non_ascii_inputs(tmp_path, fake_repos):
     assert "utf" not in probe.stdout.lower(), probe.stdout  # the locale really is not UTF-8
     args = [sys.executable, str(REPO / "tools/backport"), "--recipe", str(recipe), "--megatron-lm", str(fake_repos.mlm),
             "--megatron-bridge", str(fake_repos.bridge_repo), "--cache-dir", str(tmp_path / "cache"),
-            "--no-import-check", "--date", "2026-01-02", "--out", str(tmp_path / "out"), "--carry", str(carry)]
+            "--python", STUB_PYTHON, "--date", "2026-01-02", "--out", str(tmp_path / "out"), "--carry", str(carry)]
     proc = subprocess.run(args, env=env, capture_output=True)
     assert b"Traceback" not in proc.stderr
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
@@ -354,7 +354,7 @@ def test_the_users_git_config_does_not_change_the_bytes(tmp_path, fake_repos):
         out = tmp_path / f"out-{cache}"
         args = [sys.executable, str(REPO / "tools/backport"), "--recipe", str(recipe), "--megatron-lm",
                 str(fake_repos.mlm), "--megatron-bridge", str(fake_repos.bridge_repo), "--cache-dir",
-                str(tmp_path / cache), "--no-import-check", "--no-trees", "--date", "2026-01-02", "--out", str(out)]
+                str(tmp_path / cache), "--python", STUB_PYTHON, "--no-trees", "--date", "2026-01-02", "--out", str(out)]
         proc = subprocess.run(args, env={**os.environ, **extra_env}, capture_output=True)
         assert proc.returncode == 0, proc.stderr.decode(errors="replace")
         return (out / "patches/latest/megatron.patch").read_bytes()

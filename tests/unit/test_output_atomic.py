@@ -32,7 +32,7 @@ import pytest
 from backport import output
 from backport.engine import build
 
-from conftest import recipe_data, write_recipe
+from conftest import STUB_PYTHON, recipe_data, write_recipe
 
 pytestmark = pytest.mark.usefixtures("engine_env")
 REPO = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def builds(fake_repos, tmp_path_factory):
 
     def make(date, **kw):
         return build(Options(recipe=recipe, megatron_lm=str(fake_repos.mlm), megatron_bridge=str(fake_repos.bridge_repo),
-                             cache_dir=tmp / "cache", date=date, import_check=False, **kw))
+                             cache_dir=tmp / "cache", date=date, python=STUB_PYTHON, **kw))
 
     out = {"A": make("20260102"), "B": make("20260103"), "C": make("20260102", carry=carry)}
     return tmp, out

@@ -25,7 +25,7 @@ from backport.cli import REPO_ROOT, cli
 from backport.engine import build
 from backport.errors import OutputLinkError, UsageError
 
-from conftest import recipe_data, write_recipe
+from conftest import STUB_PYTHON, recipe_data, write_recipe
 
 pytestmark = pytest.mark.usefixtures("engine_env")
 
@@ -40,7 +40,7 @@ def builds(fake_repos, tmp_path_factory):
 
     def make(date):
         return build(Options(recipe=recipe, megatron_lm=str(fake_repos.mlm), megatron_bridge=str(fake_repos.bridge_repo),
-                             cache_dir=tmp / "cache", date=date, import_check=False))
+                             cache_dir=tmp / "cache", date=date, python=STUB_PYTHON))
 
     return {"A": make("20260102"), "B": make("20260103")}
 
@@ -173,7 +173,7 @@ def test_recovery_refuses_a_linked_state_folder(builds, tmp_path):
 def base_args(tmp_path, fake_repos):
     recipe = write_recipe(tmp_path / "fake.yaml", recipe_data(fake_repos))
     return ["--recipe", str(recipe), "--megatron-lm", str(fake_repos.mlm), "--megatron-bridge", str(fake_repos.bridge_repo),
-            "--cache-dir", str(tmp_path / "cache"), "--no-import-check", "--date", "2026-01-02"]
+            "--cache-dir", str(tmp_path / "cache"), "--python", STUB_PYTHON, "--date", "2026-01-02"]
 
 
 def _invoke(args):
@@ -326,7 +326,7 @@ def test_an_out_inside_the_tools_cache_is_refused_before_any_work(tmp_path):
     entry = cache / "trees" / "2faedbf6f-85bced0ae" / "megatron"
     entry.mkdir(parents=True)
     for out in (entry, cache):
-        result = CliRunner().invoke(cli, ["--cache-dir", str(cache), "--out", str(out), "--no-import-check"])
+        result = CliRunner().invoke(cli, ["--cache-dir", str(cache), "--out", str(out), "--python", STUB_PYTHON])
         assert result.exit_code == 2, result.output
         assert "lies inside the tool's cache" in result.stderr
         assert sorted(p.name for p in entry.iterdir()) == []  # nothing written, no lock taken there
@@ -339,6 +339,6 @@ def test_an_empty_pin_flag_is_refused_not_taken_as_the_recipes_pin(tmp_path, fla
     from backport.cli import cli
 
     result = CliRunner().invoke(cli, [flag, "", "--allow-pin-mismatch", "--out", str(tmp_path / "o"),
-                                      "--cache-dir", str(tmp_path / "c"), "--no-import-check"])
+                                      "--cache-dir", str(tmp_path / "c"), "--python", STUB_PYTHON])
     assert result.exit_code == 2, result.output
     assert f"{flag} '' names no commit" in result.stderr

@@ -16,7 +16,7 @@ from backport.errors import ApplyError, FeatureNative, PinError, UsageError
 from backport.retarget import already_upstream, native_fixes
 from backport.workspace import HunkLines, split_lines
 
-from conftest import commit, init_repo, recipe_data, write_recipe
+from conftest import STUB_PYTHON, commit, init_repo, recipe_data, write_recipe
 
 pytestmark = pytest.mark.usefixtures("engine_env")
 
@@ -88,7 +88,7 @@ def test_cli_bridge_writes_outputs_named_by_the_pins_used(tmp_path, fake_repos, 
     out = tmp_path / "out"
     result = CliRunner().invoke(cli, [
         "--recipe", str(recipe_on), "--bridge", bridges["at_prereq"], "--megatron-lm", str(fake_repos.mlm),
-        "--megatron-bridge", str(bridges["repo"]), "--cache-dir", str(tmp_path / "c"), "--no-import-check",
+        "--megatron-bridge", str(bridges["repo"]), "--cache-dir", str(tmp_path / "c"), "--python", STUB_PYTHON,
         "--date", "2026-01-02", "--out", str(out), "--no-trees"])
     assert result.exit_code == 0, result.output
     assert "step prereq-resolve" in result.stdout and "already present at the base" in result.stdout
@@ -97,7 +97,7 @@ def test_cli_bridge_writes_outputs_named_by_the_pins_used(tmp_path, fake_repos, 
     assert (out / "patches" / "megatron" / f"20260102-{fake_repos.prereq[:9]}.patch").is_file()
     check = CliRunner().invoke(cli, [  # --check takes the lock's pins, as it takes the lock's date
         "--recipe", str(recipe_on), "--check", "--megatron-lm", str(fake_repos.mlm), "--megatron-bridge",
-        str(bridges["repo"]), "--cache-dir", str(tmp_path / "c"), "--no-import-check", "--out", str(out), "--offline"])
+        str(bridges["repo"]), "--cache-dir", str(tmp_path / "c"), "--python", STUB_PYTHON, "--out", str(out), "--offline"])
     assert check.exit_code == 0, check.output
     assert f"check: pins from {out / output.LOCK}: Megatron-Bridge {bridges['at_prereq'][:12]}" in check.stderr
 
@@ -120,7 +120,7 @@ def test_base_containing_upstream_is_native_exit_17(make_options, recipe_on, bri
 def test_cli_native_prints_message_and_exits_17(tmp_path, fake_repos, bridges, recipe_on):
     result = CliRunner().invoke(cli, [
         "--recipe", str(recipe_on), "--bridge", bridges["at_upstream"], "--megatron-lm", str(fake_repos.mlm),
-        "--megatron-bridge", str(bridges["repo"]), "--cache-dir", str(tmp_path / "c"), "--no-import-check",
+        "--megatron-bridge", str(bridges["repo"]), "--cache-dir", str(tmp_path / "c"), "--python", STUB_PYTHON,
         "--date", "2026-01-02", "--out", str(tmp_path / "out")])
     assert result.exit_code == 17, result.output
     lines = result.stderr.rstrip("\n").splitlines()

@@ -1,0 +1,166 @@
+"""Every refusal names its real cause, and a lock never records a skipped check (issue 36).
+
+Each test feeds one fault through the CLI (throwaway repositories of ``conftest``; the import
+check runs with the stub interpreter ``STUB_PYTHON`` where a run must run every check) and
+asserts the exit code and the culprit named in the first ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from backport import output
+from backport.cli import cli
+
+from conftest import STUB_PYTHON, recipe_data, write_recipe
+
+pytestmark = pytest.mark.usefixtures("engine_env")
+
+
+@pytest.fixture
+def args(tmp_path, fake_repos):
+    """A full run (every check, the stub interpreter) of the fake recipe into ``tmp_path/out``."""
+    recipe = write_recipe(tmp_path / "fake.yaml", recipe_data(fake_repos))
+    return ["--recipe", str(recipe), "--megatron-lm", str(fake_repos.mlm), "--megatron-bridge",
+            str(fake_repos.bridge_repo), "--cache-dir", str(tmp_path / "cache"), "--python", STUB_PYTHON,
+            "--out", str(tmp_path / "out")]
+
+
+def skip(args: list) -> list:
+    """``args`` with the import check skipped (``--no-import-check`` in place of ``--python``)."""
+    i = args.index("--python")
+    return args[:i] + ["--no-import-check"] + args[i + 2:]
+
+
+def run(args: list, expect: int):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == expect, result.output
+    return result
+
+
+def first_error(stderr: str) -> str:
+    """The first ``error:`` line; the line after it must be the ``hint:``."""
+    lines = stderr.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("error: "))
+    assert lines[i + 1].startswith("hint: "), stderr
+    return lines[i]
+
+
+def snapshot(path: Path) -> tuple:
+    """(bytes, mtime_ns) of ``path``: a rewrite with the same bytes changes the mtime."""
+    return path.read_bytes(), path.stat().st_mtime_ns
+
+
+# --- a lock is a statement that every check ran ------------------------------------------------
+
+def test_a_run_that_skips_a_check_writes_its_outputs_and_leaves_the_lock_alone(args, tmp_path):
+    out = tmp_path / "out"
+    run(args + ["--date", "2026-01-02"], 0)
+    lock = snapshot(out / output.LOCK)
+    result = run(skip(args) + ["--date", "2026-01-03"], 0)  # another date: not even re-dated
+    assert snapshot(out / output.LOCK) == lock
+    said = [line for line in result.stderr.splitlines() if line.startswith("lock: ")]
+    assert said == [f"lock: {out / output.LOCK} left alone (dated 2026-01-02): this run skipped the import check "
+                    "(--no-import-check), and a lock states that every check ran; the other outputs were written. "
+                    "Run without --no-import-check to write or check the lock."]
+    assert not [line for line in result.stdout.splitlines() if line.startswith(("lock:", "release:"))]
+    latest = json.loads((out / "patches/latest/manifest.json").read_text())
+    assert latest["date"] == "2026-01-03"  # the outputs were written
+    assert output.skipped_checks(latest) == [("imports", "--no-import-check")]
+
+
+def test_a_run_that_skips_a_check_creates_no_lock(args, tmp_path):
+    out = tmp_path / "out"
+    result = run(skip(args) + ["--date", "2026-01-02"], 0)
+    assert not (out / output.LOCK).exists()
+    assert (out / "patches/latest/megatron.patch").is_file()
+    assert f"lock: {out / output.LOCK} not written (there was none): this run skipped the import check" in result.stderr
+
+
+def test_release_with_a_skipped_check_is_refused_before_any_work(args, tmp_path):
+    result = run(skip(args) + ["--release"], 2)
+    assert "--release makes a new lock" in first_error(result.stderr)
+    assert "excludes --no-import-check" in first_error(result.stderr)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_check_with_a_skipped_check_on_correct_outputs_exits_0_and_says_what_it_did_not_check(args, tmp_path):
+    out = tmp_path / "out"
+    run(args, 0)
+    before = {p: snapshot(p) for p in out.rglob("*") if p.is_file() and "build" not in p.parts}
+    result = run(skip(args) + ["--check"], 0)
+    notes = [line for line in result.stderr.splitlines() if line.startswith("check: not checked")]
+    assert notes == [f"check: not checked: the import check (--no-import-check); its result was taken as written in "
+                     f"{out / 'patches/megatron'}/{json.loads((out / output.LOCK).read_text())['patch']['name'][:-6]}"
+                     ".manifest.json (the run that wrote it ran it); everything else is compared as usual"]
+    assert "manifests/lock.json: identical" in result.stdout
+    assert {p: snapshot(p) for p in before} == before  # --check writes nothing
+
+
+def test_check_with_a_skipped_check_still_finds_a_difference(args, tmp_path):
+    out = tmp_path / "out"
+    run(args, 0)
+    patch = out / "patches/latest/megatron.patch"
+    patch.write_bytes(patch.read_bytes() + b"\n")
+    result = run(skip(args) + ["--check"], 8)
+    assert "patches/latest/megatron.patch (differs)" in first_error(result.stderr)
+
+
+def test_check_with_a_skipped_check_of_the_lock_alone_says_the_manifest_digest_is_not_compared(args, tmp_path):
+    out = tmp_path / "out"
+    run(args, 0)
+    for rel in ("patches", "build/tree"):
+        shutil.rmtree(out / rel)
+    result = run(skip(args) + ["--check"], 0)
+    assert "so the lock's manifest_sha256 is not compared" in result.stderr
+    assert "manifests/lock.json: identical but manifest_sha256, not compared (--no-import-check)" in result.stdout
+    lock = json.loads((out / output.LOCK).read_text())
+    lock["patch"]["sha256"] = "0" * 64
+    (out / output.LOCK).write_text(json.dumps(lock))
+    result = run(skip(args) + ["--check"], 8)
+    assert "manifests/lock.json (differs: patch " in first_error(result.stderr)
+
+
+def test_full_check_of_outputs_a_skipping_run_wrote_names_the_flag(args, tmp_path):
+    run(args, 0)
+    run(skip(args), 0)
+    result = run(args + ["--check"], 8)
+    lines = result.stderr.splitlines()
+    assert "patches/latest/manifest.json (differs)" in first_error(result.stderr)
+    hint = lines[lines.index(first_error(result.stderr)) + 1]
+    assert hint.startswith("hint: patches/latest was written by a run that skipped the import check "
+                           "(--no-import-check), which left manifests/lock.json alone: run `tools/backport` without "
+                           "--no-import-check")
+    run(args, 0)  # the hint's own route
+    run(args + ["--check"], 0)
+
+
+def test_a_killed_switch_of_a_skipping_run_rolls_forward_and_never_touches_the_lock(make_options, recipe, tmp_path):
+    from backport.engine import build
+
+    out = tmp_path / "out"
+    output.write(build(make_options(recipe)), out)
+    lock = snapshot(out / output.LOCK)
+    skipping = build(make_options(recipe, import_check=False, date="20260103"))
+
+    class Killed(Exception):
+        pass
+
+    def kill(step):
+        if step == "put new patches/latest/manifest.json in place":
+            raise Killed
+
+    with pytest.raises(Killed):
+        output.write(skipping, out, on_step=kill)
+    assert output.recover(out) == (f"completed the switch of a killed run (it skipped a check, so it left "
+                                   f"{output.LOCK} alone)")
+    assert json.loads((out / "patches/latest/manifest.json").read_text())["date"] == "2026-01-03"
+    assert snapshot(out / output.LOCK) == lock
+    assert not (out / output.TXN).exists()
