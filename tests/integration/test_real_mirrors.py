@@ -101,3 +101,18 @@ def test_write_then_check_is_byte_identical(build, tmp_path):
     assert (tmp_path / "patches/latest/megatron.patch").read_bytes() == build.patch
     assert (tmp_path / "build/tree/patched/megatron/core/ssm/gdn_context_parallel.py").exists()
     assert not (tmp_path / "build/tree/base/megatron/core/ssm/gdn_context_parallel.py").exists()
+
+
+def test_which_added_lines_of_gated_delta_net_are_not_from_upstream(build):
+    """The reviewer's question, answered from the manifest's per-line provenance (what
+    `tools/backport annotate gated_delta_net.py --kind ours,carried` prints)."""
+    from backport.annotate import annotate, select
+
+    m = build.manifest
+    ids = select(m, ["gated_delta_net.py"])
+    lines = annotate(build.patch.decode(), m, ids, {"ours", "carried"})
+    added = [line for line in lines if " | +" in line and " | +++" not in line]
+    gdn = next(f for f in m["files"] if f["path"] == "megatron/core/ssm/gated_delta_net.py")
+    assert len(added) == gdn["added_by_kind"]["ours"] + gdn["added_by_kind"]["carried"] > 0
+    assert {line.split()[1] for line in added} <= {o for o, r in m["origins"].items() if r["kind"] != "upstream-verbatim"}
+    assert sum(m["patch"]["added_by_kind"].values()) == m["patch"]["added"]
