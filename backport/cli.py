@@ -54,6 +54,9 @@ def _summary_table(m: dict, written: list, mode: str, timings: Optional[dict] = 
                 kinds[o["kind"]] = kinds.get(o["kind"], 0) + o["added"] + o["removed"]
     table.add_row("patch", f"{m['patch']['files']} files, {m['patch']['hunks']} hunks, +{m['patch']['added']} -{m['patch']['removed']}")
     table.add_row("lines by origin", ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
+    if "added_by_kind" in m["patch"]:
+        table.add_row("added lines by kind", ", ".join(f"{k} {v}" for k, v in m["patch"]["added_by_kind"].items())
+                      + " (per line: tools/backport annotate [HUNK ...])")
     table.add_row("sha256", m["patch"]["sha256"])
     for c in m["verification"]:
         table.add_row(f"check {c['check']}", ("ok: " if c["ok"] else "SKIPPED: ") + c["detail"])
@@ -164,6 +167,9 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
     Writes patches/megatron/<YYYYMMDD>-<base9>[-carry-<sha8>].patch, patches/latest/megatron.patch and the
     hunk manifest (JSON + Markdown), after verifying the patch against the pristine base.
     A plain run reproduces the date of manifests/lock.json; --release or --date makes a new one.
+
+    `tools/backport annotate [HUNK ...]` prints the patch with each line's provenance (upstream, ours,
+    carried) in a margin; `tools/backport annotate --help` says more.
     """
     from . import locks, output
 
@@ -443,8 +449,14 @@ def _ascii_safe_streams() -> None:
 def main(argv: Optional[list] = None) -> None:
     """Entry point of ``tools/backport`` and the ``gdn-backport`` script."""
     _ascii_safe_streams()
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["annotate"]:  # the one subcommand: the patch with each line's provenance
+        from .annotate import main as annotate_main
+
+        annotate_main(args[1:])
+        return
     try:
-        cli.main(args=argv, prog_name="tools/backport", standalone_mode=False)
+        cli.main(args=args, prog_name="tools/backport", standalone_mode=False)
     except click.exceptions.UsageError as exc:  # unknown flag, missing --carry file, bad value
         click.echo(f"error: {exc.format_message()}\nhint: Run `tools/backport --help` for the flags, then the "
                    "same command again, corrected.", err=True)

@@ -19,7 +19,8 @@ from typing import Callable, Optional
 from . import __version__, retarget
 from .carry import apply_carry, check_paths, load_carry, read_base
 from .errors import ApplyError, BindingExists, CacheDamaged, PipelineError, RecipeError, SourceError
-from .recipe import AddFile, Recipe, Transform, Transplant, UpstreamFile, UpstreamHunks, check_coverage, load_recipe
+from .recipe import (AddFile, Recipe, Transform, Transplant, UpstreamFile, UpstreamHunks, check_coverage, load_recipe,
+                     load_references)
 from .sources import Source, open_source
 from .transforms import REGISTRY
 from .transforms.fixes import FIX_FORMS
@@ -27,7 +28,7 @@ from .transforms.merge import CONFLICT_HINT, merge3, merge_carried_functions
 from .transforms.transplant import transplant
 from .tree import assemble_base_tree
 from .options import Options, fs_text, validate
-from .patchfile import attribute_hunks, make_patch
+from .patchfile import attribute_hunks, kind_counts, make_patch
 from .upstream_lines import beyond_upstream_rows, origin_line_totals, upstream_line_sets
 from .upstream import UpstreamHunk, load_hunks
 from .workspace import BindingMap, FileState, Workspace, check_tree_path, hunk_lines, new_bindings, split_lines
@@ -615,6 +616,7 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
         progress(f"warning: MCore base {base_sha} differs from Megatron-Bridge {bridge_sha[:12]}'s .dev.commit "
                  f"({dev_commit}); allowed by --allow-pin-mismatch (recorded in the manifest)")
 
+    references = load_references(opts.recipe)
     hunk_list = load_hunks(mlm, upstream_sha)
     dispositions = check_coverage(recipe, [h.id for h in hunk_list])
     hunks = {h.id: h for h in hunk_list}
@@ -678,15 +680,18 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
             "name": patch_name(opts.date, base_sha, carry_sha), "sha256": hashlib.sha256(patch_bytes).hexdigest(),
             "files": len(files), "hunks": sum(len(f["hunks"]) for f in files),
             "added": sum(f["added"] for f in files), "removed": sum(f["removed"] for f in files),
+            "added_by_kind": kind_counts(r["kind"] for f in files for h in f["hunks"] for r in h["lines"]
+                                         for _ in range(r["n"])),
         },
         "attribution": {"exact": attribution.get("exact", 0), "by_neighbour": attribution.get("by_neighbour", 0)},
         "files": files,
         "origins": {k: run.origins[k] for k in sorted(run.origins)},
         "lines_vs_upstream": origin_line_totals(files),
-        "beyond_upstream": beyond_upstream_rows(recipe, files),
+        "beyond_upstream": beyond_upstream_rows(recipe),
         "upstream_hunks": upstream_records,
         "upstream_summary": dict(sorted(Counter(r["disposition"] for r in upstream_records).items())),
         "forbidden_strings": recipe.forbidden_strings,
+        **({"references": references} if references is not None else {}),
     }
     adapted = [h for h, (disp, _by) in dispositions.items() if disp == "adapted"]
     report = retarget.step_report(recipe, run.origins, dispositions, [h.id for h in hunk_list], run.already,

@@ -80,6 +80,71 @@ def make_patch(files: list, header: str, base_tree: Path) -> str:
     return header + diff
 
 
+#: Output hunk ids are ``out:<path>#<n>``, visibly not upstream hunk ids (``<path>#<n>``, the n-th
+#: hunk of the upstream commit) nor carried hunk ids (``carry:<path>#<n>``).
+OUTPUT_HUNK_PREFIX = "out:"
+
+#: The three kinds of an added line (``line_kinds``), in the order the manifest shows them.
+LINE_KINDS = ("upstream", "ours", "carried")
+
+#: Origin kinds whose lines are upstream's by construction (an upstream hunk, a transplanted symbol).
+_UPSTREAM_ORIGINS = ("upstream-verbatim", "prerequisite")
+
+
+def kind_counts(kinds) -> dict:
+    """``{"upstream": n, "ours": n, "carried": n}`` counted over ``kinds`` (all three keys present)."""
+    counts = Counter(kinds)
+    return {k: counts.get(k, 0) for k in LINE_KINDS}
+
+
+def line_kinds(labels: list, classes: list, origins: dict) -> list:
+    """The kind of every added line of one hunk (None for a removed line), from its origin and content.
+
+    ``carried``: a line of the user's carried patch (``--carry``), whatever its content.
+    ``upstream``: a line of an upstream hunk or a transplanted prerequisite symbol, or a line a recipe
+    step wrote that equals (whitespace-stripped) a line of the upstream commit's version of the file.
+    ``ours``: any other line a recipe step wrote (our templates, transforms, preserved fixes).
+    A blank line a recipe step wrote, or one of punctuation only (``)``, ``],``: every file has
+    them), takes the kind of the nearest other line of the same origin above it in the hunk (below it
+    when it opens the run); ``ours`` when there is none.
+
+    Args:
+        labels: ``[sign, origin id]`` per +/- line, in hunk order.
+        classes: per line, :func:`backport.upstream_lines.line_class` of an added line (None when blank,
+            punctuation only, or removed).
+        origins: origin id -> origin record (its ``kind``).
+    """
+    kinds: list = []
+    for (sign, oid), cls in zip(labels, classes):
+        okind = origins[oid]["kind"]
+        if sign != "+":
+            kinds.append(None)
+        elif okind == "carried":
+            kinds.append("carried")
+        elif okind in _UPSTREAM_ORIGINS:
+            kinds.append("upstream")
+        else:
+            kinds.append(cls)  # None while blank: resolved below
+    for i, ((sign, oid), kind) in enumerate(zip(labels, kinds)):
+        if sign != "+" or kind is not None:
+            continue
+        around = list(range(i - 1, -1, -1)) + list(range(i + 1, len(labels)))
+        kinds[i] = next((kinds[j] for j in around
+                         if labels[j][0] == "+" and labels[j][1] == oid and kinds[j] is not None), "ours")
+    return kinds
+
+
+def _runs(items: list) -> list:
+    """``[(item, count)]``: runs of equal consecutive items."""
+    out: list = []
+    for item in items:
+        if out and out[-1][0] == item:
+            out[-1][1] += 1
+        else:
+            out.append([item, 1])
+    return [(item, n) for item, n in out]
+
+
 def _neighbour_rank(label: list, other: list, origins: dict) -> tuple:
     # Sort key of a candidate origin for an unattributed line: recipe before carry, same sign first.
     return (origins[other[1]]["kind"] == "carried", other[0] != label[0])
@@ -92,11 +157,14 @@ def attribute_hunks(patch_text: str, ws: Workspace, origins: dict,
     Args:
         upstream_lines: path -> the upstream commit's stripped lines of that file
             (:func:`backport.upstream_lines.upstream_line_sets`); given, each origin record of a
-            hunk also counts its added lines that equal upstream's (``added_upstream``) and the
-            others (``added_ours``; blank lines are neither).
+            hunk also counts its added lines by kind (``added_upstream``, ``added_ours``,
+            ``added_carried``: :func:`line_kinds`).
 
     Returns:
-        (files, stats): per-file hunk records, and counts of exact/neighbour attributions.
+        (files, stats): per-file hunk records, and counts of exact/neighbour attributions. A hunk
+        record has its id (``out:<path>#<n>``), header, counts, ``added_by_kind``, its origins, and
+        the per-line provenance in runs: ``lines`` (``{kind, origin, n}`` per run of added lines)
+        and ``removed_lines`` (``{origin, n}`` per run of removed lines), in patch order.
 
     Lines that git's diff aligns differently from the step-wise tracking (a moved blank
     line, say) take the origin of the nearest attributed line of the same hunk, preferring a
@@ -110,6 +178,7 @@ def attribute_hunks(patch_text: str, ws: Workspace, origins: dict,
         path = patch_path(pfile)
         state = ws.files[path]
         hunks = []
+        file_kinds = kind_counts(())
         for n, hunk in enumerate(pfile, start=1):
             labels = []
             classes = []
@@ -118,7 +187,9 @@ def attribute_hunks(patch_text: str, ws: Workspace, origins: dict,
                 if line.is_added:
                     tag = state.tags[line.target_line_no - 1]
                     labels.append(["+", tag[1] if tag[0] == "origin" else None])
-                    classes.append(line_class(line.value, up))
+                    cls = line_class(line.value, up)
+                    # a line of brackets or commas only says nothing about whose it is
+                    classes.append(cls if any(ch.isalnum() for ch in line.value) else None)
                 elif line.is_removed:
                     labels.append(["-", state.removed_by.get(line.source_line_no - 1)])
                     classes.append(None)
@@ -133,24 +204,34 @@ def attribute_hunks(patch_text: str, ws: Workspace, origins: dict,
                                      hint="Report this: a recipe step changed a line without being recorded.")
                 label[1] = labels[near[0][2]][1]
                 stats["by_neighbour"] += 1
+            kinds = line_kinds(labels, classes, origins)
             per = {}
-            for (sign, oid), cls in zip(labels, classes):
+            for (sign, oid), kind in zip(labels, kinds):
                 rec = per.setdefault(oid, {"origin": oid, "kind": origins[oid]["kind"], "added": 0, "removed": 0})
                 if upstream_lines is not None and "added_upstream" not in rec:
-                    rec.update(added_upstream=0, added_ours=0)
+                    rec.update(added_upstream=0, added_ours=0, added_carried=0)
                 rec["added" if sign == "+" else "removed"] += 1
-                if cls is not None and upstream_lines is not None:
-                    rec["added_" + cls] += 1
+                if kind is not None and upstream_lines is not None:
+                    rec["added_" + kind] += 1
+            added = [(kind, oid) for (sign, oid), kind in zip(labels, kinds) if sign == "+"]
+            hunk_kinds = kind_counts(kind for kind, _oid in added)
+            for kind, count in hunk_kinds.items():
+                file_kinds[kind] += count
             hunks.append({
-                "id": f"{path}#{n}",
+                "id": f"{OUTPUT_HUNK_PREFIX}{path}#{n}",
                 "header": str(hunk).splitlines()[0],
                 "added": hunk.added, "removed": hunk.removed,
+                "added_by_kind": hunk_kinds,
                 "origins": sorted(per.values(), key=lambda r: r["origin"]),
+                "lines": [{"kind": kind, "origin": oid, "n": n} for (kind, oid), n in _runs(added)],
+                "removed_lines": [{"origin": oid, "n": n}
+                                  for oid, n in _runs([oid for sign, oid in labels if sign == "-"])],
             })
         record = {
             "path": path,
             "status": "added" if pfile.is_added_file else "deleted" if pfile.is_removed_file else "modified",
             "added": pfile.added, "removed": pfile.removed,
+            "added_by_kind": dict(file_kinds),
             "hunks": hunks,
         }
         if state.mode_origin and state.exists:

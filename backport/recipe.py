@@ -303,3 +303,78 @@ def check_coverage(recipe: Recipe, upstream_ids: list[str]) -> dict[str, tuple[s
             hint="Run `tools/backport --list-hunks` to list the upstream hunk ids, then take, adapt or exclude each.",
         )
     return {h: declared[h][0] for h in upstream_ids}
+
+
+# --- references --------------------------------------------------------------------------------
+#: Beside a recipe ``<name>.yaml``, ``<name>.references.yaml`` says where every reference its reasons
+#: cite resolves (decisions, RFC sections, images, pull requests, evidence folders); optional.
+REFERENCES_SUFFIX = ".references.yaml"
+
+
+class Reference(_Strict):
+    """One kind of citation and where it resolves."""
+
+    cites: str = Field(min_length=1, description="the citation as the recipe writes it, e.g. 'decision N'")
+    pattern: str = Field(min_length=1, description="regular expression matching every such citation")
+    target: str = Field(min_length=1, description="a path in this repository (optionally #anchor) or an https:// URL")
+    what: str = Field(min_length=1, description="what the reader finds there")
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        import re
+
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a regular expression: {exc}") from exc
+        return value
+
+    @field_validator("target")
+    @classmethod
+    def _where(cls, value: str) -> str:
+        if value.startswith(("https://", "http://")):
+            return value
+        path = value.split("#", 1)[0]
+        if not path or path.startswith("/") or ".." in path.split("/"):
+            raise ValueError("a target is a repository-relative path (optionally #anchor) or an https:// URL")
+        return value
+
+
+class References(_Strict):
+    """``<recipe>.references.yaml``."""
+
+    schema_version: Literal[1]
+    references: list[Reference] = Field(min_length=1)
+
+
+def references_path(recipe_path: Path) -> Path:
+    """Where the references of ``recipe_path`` live (``<stem>.references.yaml`` beside it)."""
+    return recipe_path.with_name(recipe_path.stem + REFERENCES_SUFFIX)
+
+
+def load_references(recipe_path: Path) -> "list[dict] | None":
+    """The references of the recipe at ``recipe_path`` as plain dicts (for the manifest), or None
+    when the recipe has no references file.
+
+    Raises:
+        RecipeError: the file is unreadable, not YAML, or does not follow :class:`References`.
+    """
+    path = references_path(recipe_path)
+    if not path.is_file():
+        return None
+    try:
+        data = yaml.safe_load(path.read_bytes())
+        refs = References.model_validate(data)
+    except OSError as exc:
+        raise RecipeError(f"cannot read the recipe's references {path}: {exc.strerror}",
+                          hint="Make the file readable, or remove it (the manifest then has no references).") from exc
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"the recipe's references {path} are not valid YAML: {exc}",
+                          hint="Fix the YAML and run again.") from exc
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
+        raise RecipeError(f"the recipe's references {path} are invalid: {problems}",
+                          hint="Each entry needs cites, pattern (a regular expression), target (a repository "
+                               "path or an https:// URL) and what; see manifests/README.md.") from exc
+    return [r.model_dump() for r in refs.references]

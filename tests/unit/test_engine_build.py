@@ -553,18 +553,30 @@ def test_manifest_tells_our_lines_from_upstreams(tmp_path, fake_repos, make_opti
     assert totals["add-gdn-cp"]["added_upstream"] == 0 and totals["add-gdn-cp"]["added_ours"] > 0
     for f in m["files"]:
         for h in f["hunks"]:
+            assert h["id"].startswith("out:")
             for o in h["origins"]:
-                assert o["added_upstream"] + o["added_ours"] <= o["added"]
+                assert o["added_upstream"] + o["added_ours"] + o["added_carried"] == o["added"]
+                assert o["added_carried"] == (o["added"] if o["kind"] == "carried" else 0)
+            assert sum(r["n"] for r in h["lines"]) == h["added"]
+            assert {r["kind"] for r in h["lines"]} <= {"upstream", "ours", "carried"}
+    kinds = m["patch"]["added_by_kind"]
+    carried = sum(o["added"] for f in m["files"] for h in f["hunks"] for o in h["origins"] if o["kind"] == "carried")
+    assert sum(kinds.values()) == m["patch"]["added"] and kinds["carried"] == carried > 0
+    # the step's count is in lines_vs_upstream, once; the rows do not repeat it
     assert m["beyond_upstream"] == [{
         "step": "add-gdn-cp", "file": "megatron/core/ssm/gdn_context_parallel.py",
         "what": "our whole module, none of it upstream", "why": "the fake recipe needs one item",
-        "effect": "none measured", "evidence": "results/none", "step_lines_ours": totals["add-gdn-cp"]["added_ours"]}]
+        "effect": "none measured", "evidence": "results/none"}]
     assert m["origins"]["fix-tuple-index"]["source"] == "the fake downstream image's megatron.patch"
     md = render_markdown(m)
     assert "## Beyond upstream (1)" in md and "our whole module, none of it upstream" in md
     assert "Source: the fake downstream image's megatron.patch." in md
     assert f"sha256 `{hashlib.sha256(carry_patch.read_bytes()).hexdigest()}`" in md
     assert f"{totals['add-gdn-cp']['added_upstream']} up, {totals['add-gdn-cp']['added_ours']} ours" in md
+    # manifest.md leads with the one total line
+    assert md.splitlines()[2] == (f"**Added lines: {kinds['upstream']} from upstream, {kinds['ours']} ours, "
+                                  f"{kinds['carried']} carried** (of {m['patch']['added']}; each line's origin: "
+                                  "`tools/backport annotate [HUNK ...]`).")
 
 
 def test_a_forbidden_string_the_base_file_already_holds_is_not_the_patchs(tmp_path, fake_repos, make_options):

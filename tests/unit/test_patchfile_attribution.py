@@ -106,8 +106,39 @@ def test_added_lines_are_counted_as_upstreams_or_ours_by_content():
     assert line_class("   ", up) is None
     assert line_class("pop()", frozenset()) == "ours"
     files, _ = attribute_hunks(PATCH, _ws({}), ORIGINS, upstream_lines={"m.py": up})
-    counts = {o["origin"]: (o["added"], o["added_upstream"], o["added_ours"]) for o in files[0]["hunks"][0]["origins"]}
-    # adapt-f added "x = 1" (ours) and "pop()" (upstream's); the carry added its comment (ours)
-    assert counts == {"adapt-f": (2, 1, 1), "carry:m.py#1": (1, 0, 1)}
+    counts = {o["origin"]: (o["added"], o["added_upstream"], o["added_ours"], o["added_carried"])
+              for o in files[0]["hunks"][0]["origins"]}
+    # adapt-f added "x = 1" (ours) and "pop()" (upstream's); the carry's comment is carried, never "ours"
+    assert counts == {"adapt-f": (2, 1, 1, 0), "carry:m.py#1": (1, 0, 0, 1)}
     plain, _ = attribute_hunks(PATCH, _ws({}), ORIGINS)
     assert "added_upstream" not in plain[0]["hunks"][0]["origins"][0]
+
+
+def test_every_added_line_has_a_kind_and_an_origin_in_runs():
+    """Per-line provenance: ``lines`` runs cover the hunk's added lines in order, each with one of
+    three kinds (a user's carried line is "carried", never "ours"); removed lines have their origin;
+    output hunk ids are not upstream hunk ids."""
+    up = frozenset({"pop()"})
+    files, _ = attribute_hunks(PATCH, _ws({}), ORIGINS, upstream_lines={"m.py": up})
+    hunk = files[0]["hunks"][0]
+    assert hunk["id"] == "out:m.py#1"
+    assert hunk["lines"] == [{"kind": "ours", "origin": "adapt-f", "n": 1},
+                             {"kind": "upstream", "origin": "adapt-f", "n": 1},
+                             {"kind": "carried", "origin": "carry:m.py#1", "n": 1}]
+    assert sum(r["n"] for r in hunk["lines"]) == hunk["added"]
+    assert sum(r["n"] for r in hunk["removed_lines"]) == hunk["removed"]
+    assert hunk["added_by_kind"] == {"upstream": 1, "ours": 1, "carried": 1} == files[0]["added_by_kind"]
+
+
+def test_blank_and_bracket_lines_take_their_neighbours_kind():
+    from backport.patchfile import line_kinds
+
+    origins = {"up#1": {"kind": "upstream-verbatim"}, "step": {"kind": "adaptation"},
+               "carry:m.py#1": {"kind": "carried"}}
+    labels = [["+", "step"], ["+", "step"], ["+", "step"], ["-", "step"], ["+", "up#1"], ["+", "carry:m.py#1"],
+              ["+", "step"]]
+    # content classes: "upstream" line, a blank (None), a ")" (None), removed, then any content
+    classes = ["upstream", None, None, None, "ours", "ours", None]
+    assert line_kinds(labels, classes, origins) == [
+        "upstream", "upstream", "upstream", None, "upstream", "carried", "upstream"]
+    assert line_kinds([["+", "step"]], [None], origins) == ["ours"]
