@@ -111,6 +111,8 @@ gpu-training:  ## On a GPU host: the training tier's full matrix -> results/raw/
 # gate builds the cpu flavour (local Debian base + CPU torch), which runs anywhere.
 IMAGE_FLAVOUR ?= cuda
 GATE_FLAVOUR ?= cpu
+# FLA set of `make image`: 0.4.2 (default) or 0.5.2 (cuda only; README "Choosing an FLA version").
+FLA ?= 0.4.2
 IMAGE_ARGS ?=
 # Where `make gate` writes its report: build/ci/ (ignored by git), so a gate run by hand changes
 # no tracked file; `make record-gate` copies it over the committed gate on record
@@ -124,7 +126,7 @@ dockerd:  ## Start a Docker Engine (Debian docker.io, overlay2 else vfs, no brid
 	@$(call tool,tools/dockerd-up)
 
 image: venv  ## Build the training image from build/tree/base + patches/latest (docker-py).
-	@$(call tool,$(PY) tools/image build --flavour $(IMAGE_FLAVOUR) $(IMAGE_ARGS))
+	@$(call tool,$(PY) tools/image build --flavour $(IMAGE_FLAVOUR) --fla $(FLA) $(IMAGE_ARGS))
 
 gate: venv  ## Build the cpu image, run its regression suite inside it, write $(GATE_REPORT).
 	@$(call tool,$(PY) tools/image gate --flavour $(GATE_FLAVOUR) --report $(GATE_REPORT) $(IMAGE_ARGS))

@@ -4,7 +4,13 @@ Checks (each one named in the output; any failure exits 1):
   versions        FLA (flash-linear-attention, fla-core) and triton at the pins
   fla-cp          ``from fla.ops.cp import build_cp_context`` imports
   fla-signatures  ``causal_conv1d`` and ``chunk_gated_delta_rule`` take ``cp_context``
+  fla-hopper      not FLA >= 0.5 with triton >= 3.4.0, < 3.7.1 on Hopper without a usable
+                  tilelang: FLA refuses that in every backward (its issue #640). The GPU is
+                  the visible one, else (no GPU at build time) Hopper, the cuda image's target;
+                  --gpu none skips the rule
   megatron-import every Python module the patch touches imports from the patched tree
+  fla-supported   the patched tree's GDN layers accept the installed FLA release
+                  (``gdn_context_parallel.check_fla_version``)
   linear-cp-mode  ``TransformerConfig`` accepts exactly headwise/chunkwise/all_gather
                   for a GDN model and rejects ``auto`` and an unknown value
 
@@ -16,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import inspect
 import json
 import os
+import re
+import shutil
 import sys
 import traceback
 import warnings
@@ -76,6 +85,73 @@ def check_fla_signatures() -> dict:
     if missing:
         raise AssertionError(f"{', '.join(missing)} take no cp_context argument")
     return out
+
+
+#: FLA's rule (fla/ops/common/chunk_o.py, chunk_bwd_dqkwg): on Hopper, triton in
+#: [TRITON_BAD_FROM, TRITON_FIXED) gives wrong gated dq/dk/dw/dg, so FLA >= FLA_WITH_RULE raises
+#: unless its tilelang backend takes the kernel.
+FLA_WITH_RULE = (0, 5)
+TRITON_BAD_FROM = (3, 4, 0)
+TRITON_FIXED = (3, 7, 1)
+
+
+def release(version) -> tuple:
+    """The leading numbers of a version string (``"3.7.1+git"`` -> ``(3, 7, 1)``); () for None."""
+    if not version:
+        return ()
+    match = re.match(r"\d+(\.\d+)*", str(version))
+    return tuple(int(x) for x in match.group(0).split(".")) if match else ()
+
+
+def tilelang_usable(environ=os.environ) -> bool:
+    """What FLA 0.5's tilelang backend needs: ``tilelang`` importable, an ``nvcc``
+    (CUDA_HOME/bin or PATH), and ``FLA_TILELANG`` not ``0``."""
+    if environ.get("FLA_TILELANG") == "0" or importlib.util.find_spec("tilelang") is None:
+        return False
+    cuda_home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH") or "/usr/local/cuda"
+    return os.access(os.path.join(cuda_home, "bin", "nvcc"), os.X_OK) or shutil.which("nvcc") is not None
+
+
+def gpu_arch(choice: str = "auto") -> dict:
+    """``{"hopper": bool, "seen": str}``: the visible GPU (``auto``), else Hopper assumed, or as told."""
+    if choice != "auto":
+        return {"hopper": choice == "hopper", "seen": f"--gpu {choice}"}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return {"hopper": major == 9, "seen": f"{torch.cuda.get_device_name()} (sm{major}{minor})"}
+    except Exception:  # no torch or no driver: same as no GPU
+        pass
+    return {"hopper": True, "seen": "no GPU visible; assuming Hopper (H100/H200), the cuda image's target"}
+
+
+def check_fla_hopper(fla_version, triton_version, hopper: bool, tilelang: bool, seen: str = "") -> dict:
+    """Refuse FLA >= 0.5 with triton >= 3.4.0, < 3.7.1 on Hopper without a usable tilelang.
+
+    Raises:
+        AssertionError: naming the versions, the GPU and the fixes.
+    """
+    fla, triton = release(fla_version), release(triton_version)
+    detail = {"fla": fla_version, "triton": triton_version, "hopper": hopper, "tilelang": tilelang, "gpu": seen}
+    applies = bool(fla) and fla >= FLA_WITH_RULE and bool(triton) and TRITON_BAD_FROM <= triton < TRITON_FIXED
+    if applies and hopper and not tilelang:
+        raise AssertionError(
+            f"FLA {fla_version} with triton {triton_version} on Hopper ({seen or 'sm90'}) without a usable tilelang: "
+            "FLA raises in every backward (gated chunk_bwd_dqkwg gives wrong results with triton >= 3.4.0, < 3.7.1 "
+            "on Hopper, FLA issue #640). Fix: triton >= 3.7.1 with a torch that declares it (the FLA 0.5.2 image: "
+            "`make image FLA=0.5.2`, docker/requirements-cuda-fla052.lock: torch 2.12.1 + triton 3.7.1), or "
+            "`pip install tilelang` with nvcc on PATH (and FLA_TILELANG unset or 1), or FLA 0.4.2 with "
+            "triton 3.6.0 (the default image)."
+        )
+    return detail
+
+
+def check_fla_supported() -> str:
+    from megatron.core.ssm.gdn_context_parallel import check_fla_version
+
+    return check_fla_version()
 
 
 def check_megatron_import(modules: list[str], tree: Path) -> list[str]:
@@ -137,6 +213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--patch", type=Path, required=True)
     parser.add_argument("--tree", type=Path, default=Path(os.environ.get("GDN_TREE", "/opt/gdn/tree")))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--gpu", choices=("auto", "hopper", "none"), default="auto",
+                        help="GPU for the fla-hopper rule: auto = the visible one, else Hopper assumed")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     tree = args.tree.resolve()
@@ -148,7 +226,10 @@ def main(argv=None) -> int:
         ("versions", lambda: check_versions(args.fla_version, args.triton_version)),
         ("fla-cp", check_fla_cp),
         ("fla-signatures", check_fla_signatures),
+        ("fla-hopper", lambda: check_fla_hopper(_version("fla-core"), _version("triton"),
+                                                tilelang=tilelang_usable(), **gpu_arch(args.gpu))),
         ("megatron-import", lambda: check_megatron_import(modules, tree)),
+        ("fla-supported", check_fla_supported),
         ("linear-cp-mode", check_linear_cp_mode),
     ]
     results, failed = {}, []

@@ -18,22 +18,25 @@ from backport import tree_digest as td
 from .engine import LOG_TAIL, Line, _quiet
 from .errors import BaseImageMissing, BuildStepFailed, DiskSpaceError, ImageError, InputError, TreeDrift
 from .inputs import Flavour, Inputs, Preflight, read_tree_lock
+from .lock import DEFAULT_FLA, FLA_SETS, target_for
 
-FLA_PIN = "0.4.2"
-TRITON_PIN = "3.6.0"
+FLA_PIN = DEFAULT_FLA
+TRITON_PIN = FLA_SETS[DEFAULT_FLA].triton
 IMAGE_REPO = "gdn-megatron"
 
 
 # --------------------------------------------------------------------------- args, labels, tags
 
-def build_args(flavour: Flavour, pre: Preflight, base_image: Optional[str] = None) -> dict[str, str]:
-    """Build args of the Dockerfile (they also fill the OCI labels)."""
+def build_args(flavour: Flavour, pre: Preflight, base_image: Optional[str] = None,
+               fla: str = DEFAULT_FLA) -> dict[str, str]:
+    """Build args of the Dockerfile (they also fill the OCI labels); ``fla`` picks the FLA set
+    (:data:`image_pipeline.lock.FLA_SETS`) whose versions the capability check insists on."""
     return {
         "BASE_IMAGE": base_image or flavour.base_image,
         "TORCH_FROM": flavour.torch_from,
         "GDN_FLAVOUR": flavour.name,
-        "FLA_VERSION": FLA_PIN,
-        "TRITON_VERSION": TRITON_PIN,
+        "FLA_VERSION": fla,
+        "TRITON_VERSION": FLA_SETS[fla].triton,
         "PATCH_SHA256": pre.patch_sha256,
         "PATCH_NAME": pre.patch_name,
         "MANIFEST_SHA256": pre.manifest_sha256,
@@ -66,9 +69,11 @@ def expected_labels(args: dict[str, str]) -> dict[str, str]:
     }
 
 
-def image_tags(flavour: Flavour, pre: Preflight) -> list[str]:
-    """``gdn-megatron:<flavour>`` and ``gdn-megatron:<flavour>-<patch sha12>``."""
-    return [f"{IMAGE_REPO}:{flavour.name}", f"{IMAGE_REPO}:{flavour.name}-{pre.patch_sha256[:12]}"]
+def image_tags(flavour: Flavour, pre: Preflight, fla: str = DEFAULT_FLA) -> list[str]:
+    """``gdn-megatron:<flavour>`` and ``gdn-megatron:<flavour>-<patch sha12>``; another FLA set
+    than the default adds ``-fla<version digits>`` to the flavour (``gdn-megatron:cuda-fla052``)."""
+    name = target_for(flavour.name, fla).key
+    return [f"{IMAGE_REPO}:{name}", f"{IMAGE_REPO}:{name}-{pre.patch_sha256[:12]}"]
 
 
 # --------------------------------------------------------------------------- context

@@ -29,6 +29,7 @@ from .errors import PULL_FAILED_HINT, BaseImageMissing
 from .gate import cases_path, cases_record, require_gate_ok, run_gate, suite_digest, write_json
 from .inputs import (CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, REPO_ROOT, Inputs, flavour_lock, preflight,
                      read_tree_lock)
+from .lock import DEFAULT_FLA, FLA_SETS, target_for
 
 try:
     from rich.console import Console
@@ -60,22 +61,29 @@ def stream_line(line: str) -> None:
         say(f"  {line}", "dim")
 
 
-def _inputs(tree, patch, manifest, lock, torch_wheel, tree_lock=None, flavour=None) -> Inputs:
+def _inputs(tree, patch, manifest, lock, torch_wheel, tree_lock=None, flavour=None, fla=DEFAULT_FLA) -> Inputs:
     base = Inputs()
     return Inputs(
         tree=Path(tree) if tree else base.tree,
         patch=Path(patch) if patch else base.patch,
         manifest=Path(manifest) if manifest else base.manifest,
-        lock=Path(lock) if lock else flavour_lock(flavour) if flavour else base.lock,
+        lock=Path(lock) if lock else flavour_lock(flavour, fla) if flavour else base.lock,
         torch_wheel=Path(torch_wheel) if torch_wheel else base.torch_wheel,
         tree_lock=Path(tree_lock) if tree_lock else base.tree_lock,
     )
+
+
+def _fla_option(help_text: str):
+    return click.option("--fla", type=click.Choice(sorted(FLA_SETS)), default=DEFAULT_FLA, show_default=True,
+                        help=help_text)
 
 
 def _build_options(f):
     options = [
         click.option("--flavour", type=click.Choice(sorted(FLAVOURS)), default="cuda", show_default=True,
                      help="cuda: NGC PyTorch base, for users. cpu: local Debian base + CPU torch, for gating."),
+        _fla_option("FLA set of the image: 0.4.2 (triton 3.6.0, the default) or 0.5.2 (cuda flavour only: "
+                    "triton 3.7.1 with torch 2.12.1; image tag gdn-megatron:cuda-fla052)."),
         click.option("--base-image", default=None, help="Override the flavour's BASE_IMAGE."),
         click.option("--tree", type=click.Path(), help="Tree root holding megatron/ [build/tree/base]."),
         click.option("--patch", type=click.Path(), help="Patch [patches/latest/megatron.patch]."),
@@ -100,13 +108,15 @@ def _build_options(f):
 
 
 def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_cache, min_free_gb,
-             context_dir, pull=False, client=None, tags=None, tree_lock=None) -> BuildResult:
+             context_dir, pull=False, client=None, tags=None, tree_lock=None, fla=DEFAULT_FLA) -> BuildResult:
     """Preflight, base image, context, build: the shared part of `build`, `gate`, `measure`."""
     fl = FLAVOURS[flavour]
-    inputs = _inputs(tree, patch, manifest, lock, torch_wheel, tree_lock, flavour)
+    target_for(flavour, fla)  # a flavour/FLA pair without a lock is refused before anything else
+    inputs = _inputs(tree, patch, manifest, lock, torch_wheel, tree_lock, flavour, fla)
     pre = preflight(inputs, fl)
     say(f"==> [preflight] patch {pre.patch_name} sha256 {pre.patch_sha256[:12]}, {pre.hunks} hunks; "
-        f"flavour {fl.name}; pristine tree sha256 {pre.tree_sha256[:12]} equals {inputs.tree_lock.name}'s", "cyan")
+        f"flavour {fl.name}, FLA {fla} ({inputs.lock.name}); pristine tree sha256 {pre.tree_sha256[:12]} "
+        f"equals {inputs.tree_lock.name}'s", "cyan")
     client = client or docker_client()
     root, driver = docker_storage(client)
     free = check_disk(root, min_free_gb, driver)
@@ -128,11 +138,12 @@ def do_build(flavour, base_image, tree, patch, manifest, lock, torch_wheel, no_c
         except BaseImageMissing as exc:  # --pull was given: the default hint's "add --pull" would mislead
             raise BaseImageMissing(exc.message, PULL_FAILED_HINT) from exc
         base_record["pulled"] = True
-    ctx = Path(context_dir) if context_dir else REPO_ROOT / "build" / "image" / f"context-{fl.name}"
+    ctx = Path(context_dir) if context_dir else (REPO_ROOT / "build" / "image"
+                                                 / f"context-{target_for(fl.name, fla).key}")
     stage_context(inputs, fl, ctx, host_ca_bundle(), trees=pre.trees)
     say(f"==> [context] staged {ctx}", "cyan")
-    args = build_args(fl, pre, base)
-    tags = tags or image_tags(fl, pre)
+    args = build_args(fl, pre, base, fla)
+    tags = tags or image_tags(fl, pre, fla)
     result = build_image(client, ctx, args, tags, on_line=stream_line, nocache=no_cache)
     result.base_image = base_record
     say(f"==> [build] {result.tags[0]} = {result.image_id[:19]} in {result.seconds} s "
@@ -228,39 +239,50 @@ def base(tag):
 
 @cli.command()
 @click.option("--flavour", type=click.Choice(["cpu", "cuda", "all"]), default="all", show_default=True)
+@_fla_option("FLA set to lock: 0.4.2 writes docker/requirements-<flavour>.lock; 0.5.2 (cuda only) writes "
+             "docker/requirements-cuda-fla052.lock.")
 @click.option("--torch-wheel", type=click.Path(exists=True), default=str(CPU_TORCH_WHEEL), show_default=True)
-def lock(flavour, torch_wheel):
+def lock(flavour, fla, torch_wheel):
     """Regenerate docker/requirements-<flavour>.lock from docker/requirements.in (needs PyPI).
 
     cpu resolves on CPython 3.11 next to the cpu torch wheel; cuda on CPython 3.12 next to
-    torch 2.10.0 (the NGC base's), leaving out what that base provides.
+    torch 2.10.0 (the NGC base's), leaving out what that base provides. With --fla 0.5.2
+    (cuda): FLA 0.5.2 and triton 3.7.1 in place of requirements.in's FLA lines, next to torch
+    2.12.1, which that lock holds with torchvision and torch's CUDA runtime wheels.
     """
-    from .lock import TARGETS, write_lock
+    from .lock import write_lock
 
     inputs = Inputs()
-    for name in (["cpu", "cuda"] if flavour == "all" else [flavour]):
-        path = flavour_lock(name)
-        entries = write_lock(inputs.docker_dir / "requirements.in", TARGETS[name], path, Path(torch_wheel))
-        say(f"==> [lock] {name}: {len(entries)} packages pinned with hashes in {path}", "cyan")
+    names = ["cpu", "cuda"] if flavour == "all" else [flavour]
+    if fla != DEFAULT_FLA and flavour == "all":
+        names = ["cuda"]
+    for name in names:
+        target = target_for(name, fla)
+        path = flavour_lock(name, fla)
+        entries = write_lock(inputs.docker_dir / "requirements.in", target, path, Path(torch_wheel))
+        say(f"==> [lock] {target.key}: {len(entries)} packages pinned with hashes in {path}", "cyan")
         click.echo(str(path))
 
 
 @cli.command("check-lock")
 @click.option("--flavour", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@_fla_option("FLA set whose lock to check (0.5.2: docker/requirements-cuda-fla052.lock, cuda only).")
 @click.option("--lock", "lock_path", type=click.Path(exists=True), default=None,
-              help="Lock to check [docker/requirements-<flavour>.lock].")
-def check_lock(flavour, lock_path):
+              help="Lock to check [docker/requirements-<flavour>.lock, or -cuda-fla052 with --fla 0.5.2].")
+def check_lock(flavour, fla, lock_path):
     """Prove a lock installs on its flavour's Python and platform, without installing it (CI; needs PyPI).
 
     pip's dry run with --require-hashes --no-deps for the target (cuda: CPython 3.12,
     manylinux x86_64 up to glibc 2.39), then every declared dependency of every pin, markers
     evaluated for the target, must be met by a pin or by what the base provides.
     """
-    from .lock import TARGETS, check_lock as run_check
+    from .lock import check_lock as run_check
 
-    path = Path(lock_path) if lock_path else flavour_lock(flavour)
-    result = run_check(path, TARGETS[flavour], Inputs().docker_dir / "requirements.in")
-    say(f"==> [check-lock] {path.name}: {result['packages']} packages install on CPython {result['python']} "
+    target = target_for(flavour, fla)
+    path = Path(lock_path) if lock_path else flavour_lock(flavour, fla)
+    result = run_check(path, target, Inputs().docker_dir / "requirements.in")
+    say(f"==> [check-lock] {path.name} (FLA {result['fla']}, triton {result['triton']}): "
+        f"{result['packages']} packages install on CPython {result['python']} "
         f"({result['platforms']}) with their hashes; every declared dependency is met", "bold green")
     click.echo(json.dumps(result, sort_keys=True))
 
@@ -284,7 +306,7 @@ def measure(out, **kw):
         say("==> [measure] cold build (no layer cache)", "bold")
         cold = do_build(client=client, tags=[f"{IMAGE_REPO}-measure:cold"], **kw)
         inputs = _inputs(kw["tree"], kw["patch"], kw["manifest"], kw["lock"], kw["torch_wheel"], kw["tree_lock"],
-                         kw["flavour"])
+                         kw["flavour"], kw.get("fla", DEFAULT_FLA))
         probe = REPO_ROOT / "build" / "image" / "probe"
         probe.mkdir(parents=True, exist_ok=True)
         changed = one_line_change(inputs.patch.read_text(encoding="utf-8"))

@@ -13,7 +13,7 @@ from backport import tree_digest as td
 from backport.tree_digest import sha256_file
 
 from .errors import InputError, TreeDrift
-from .lock import parse_lock
+from .lock import DEFAULT_FLA, parse_lock, target_for
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,14 +40,17 @@ FLAVOURS = {
 }
 
 
-def flavour_lock(flavour: str) -> Path:
+def flavour_lock(flavour: str, fla: str = DEFAULT_FLA) -> Path:
     """``docker/requirements-<flavour>.lock``: the hash-pinned packages of that flavour's image.
 
     cpu: resolved for CPython 3.11 on Debian bookworm (glibc 2.36) next to the cpu torch wheel;
     cuda: resolved for CPython 3.12 on the NGC base (Ubuntu 24.04, glibc 2.39), without what that
-    base provides (``image_pipeline.lock.BASE_PROVIDED``).
+    base provides (``image_pipeline.lock.BASE_PROVIDED``). Another FLA set than the default
+    (``fla``, :data:`image_pipeline.lock.FLA_SETS`) has its own lock,
+    ``docker/requirements-cuda-fla052.lock`` for FLA 0.5.2; a pair without one raises
+    :class:`image_pipeline.errors.ImageError` naming those that exist.
     """
-    return REPO_ROOT / "docker" / f"requirements-{flavour}.lock"
+    return REPO_ROOT / "docker" / f"requirements-{target_for(flavour, fla).key}.lock"
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,14 @@ so pip skips a locked package the base already holds at the locked version (inst
 installs the locked version into the venv where the base's differs (the lock is what runs).
 triton is the one deliberate exception: FLA 0.4.2 needs 3.6.0, so the lock pins it.
 
+The FLA axis (:data:`FLA_SETS`): the default set is FLA 0.4.2 / triton 3.6.0 (the locks above).
+``--fla 0.5.2`` (cuda only) resolves FLA 0.5.2 with triton 3.7.1 into
+``docker/requirements-cuda-fla052.lock``: FLA 0.5.x refuses its gated backward on Hopper with
+triton >= 3.4.0, < 3.7.1 (FLA issue #640), and the base's torch 2.10 declares triton==3.6.0, so
+that set locks torch 2.12.1 (which declares triton==3.7.1), torchvision and torch's CUDA runtime
+wheels as well; they shadow the base's in the venv (:attr:`Target.own_torch`). The requirement
+lines of the FLA axis in requirements.in are replaced by the set's pins (:func:`requirements_for`).
+
 Resolution runs pip's resolver (``install --dry-run --report``) on an interpreter of the
 target's Python version, because pip evaluates environment markers (``python_version >=
 "3.12"``) with the running interpreter, not with ``--python-version``. Packages PyPI has only as
@@ -47,20 +55,61 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-from .errors import ImageError
+from .errors import ImageError, InputError
 
 INDEX_URL = "https://pypi.org/simple"
 
 
+#: The FLA version of the default image (the committed locks ``requirements-<flavour>.lock``).
+DEFAULT_FLA = "0.4.2"
+
+
+@dataclass(frozen=True)
+class FlaSet:
+    """One FLA version of the image and what it is locked with."""
+
+    fla: str
+    triton: str
+    #: Why this triton (written into the lock's header).
+    why: str
+
+
+#: The selectable FLA versions (``tools/image lock/check-lock/build --fla``, ``make image FLA=``).
+FLA_SETS = {
+    "0.4.2": FlaSet("0.4.2", "3.6.0", "triton 3.9 breaks `import fla` 0.4.2; 3.6.0 works"),
+    "0.5.2": FlaSet("0.5.2", "3.7.1", "FLA 0.5.x refuses its gated backward on Hopper with triton >= 3.4.0, "
+                                      "< 3.7.1 (FLA #640)"),
+}
+#: The requirement names the FLA axis replaces in requirements.in.
+FLA_AXIS = ("flash-linear-attention", "fla-core", "triton")
+
+
 @dataclass(frozen=True)
 class Target:
-    """A lock's target: Python version, highest manylinux glibc, the torch it resolves next to."""
+    """A lock's target: Python version, highest manylinux glibc, the torch it resolves next to,
+    and the FLA set it holds."""
 
     flavour: str
     python: str
     glibc: tuple
-    torch: str  # a pip requirement for resolution only; never written to the lock
+    torch: str  # a pip requirement for resolution; written to the lock only when own_torch
     base: str
+    fla: str = DEFAULT_FLA
+    #: True when the lock holds torch, torchvision and torch's CUDA runtime wheels itself (they
+    #: shadow the base's in the venv): the FLA set needs a triton the base's torch does not declare.
+    own_torch: bool = False
+
+    @property
+    def key(self) -> str:
+        """``cuda``, ``cpu``, or ``cuda-fla052`` for a non-default FLA set (names the lock file)."""
+        if self.fla == DEFAULT_FLA:
+            return self.flavour
+        return f"{self.flavour}-fla{self.fla.replace('.', '')}"
+
+    @property
+    def triton(self) -> str:
+        """The triton version the FLA set pins."""
+        return FLA_SETS[self.fla].triton
 
     @property
     def platforms(self) -> list:
@@ -78,11 +127,31 @@ class Target:
                 "os_name": "posix", "platform_release": "", "platform_version": "", "extra": ""}
 
 
+_CUDA_BASE = "nvcr.io/nvidia/pytorch:25.12-py3 (Ubuntu 24.04, glibc 2.39, torch 2.10.0a0)"
+#: The default (FLA 0.4.2) target of each flavour.
 TARGETS = {
     "cpu": Target("cpu", "3.11", (2, 36), "{cpu_torch_wheel}", "gdn-base:bookworm (Debian 12, glibc 2.36)"),
-    "cuda": Target("cuda", "3.12", (2, 39), "torch==2.10.0",
-                   "nvcr.io/nvidia/pytorch:25.12-py3 (Ubuntu 24.04, glibc 2.39, torch 2.10.0a0)"),
+    "cuda": Target("cuda", "3.12", (2, 39), "torch==2.10.0", _CUDA_BASE),
 }
+#: Targets of the other FLA sets, by (flavour, fla). torch 2.12.1 is the first torch that declares
+#: triton==3.7.1 (2.10.0 and 2.11.0 declare 3.6.0).
+FLA_TARGETS = {
+    ("cuda", "0.5.2"): Target("cuda", "3.12", (2, 39), "torch==2.12.1", _CUDA_BASE, fla="0.5.2", own_torch=True),
+}
+
+
+def target_for(flavour: str, fla: str = DEFAULT_FLA) -> Target:
+    """The lock target of ``flavour`` with FLA ``fla``; raises :class:`InputError` (exit 13) for a pair
+    that has no lock (the names of those that do, in the message)."""
+    if fla == DEFAULT_FLA:
+        return TARGETS[flavour]
+    if (flavour, fla) in FLA_TARGETS:
+        return FLA_TARGETS[(flavour, fla)]
+    have = ", ".join([f"{f} (FLA {DEFAULT_FLA})" for f in sorted(TARGETS)]
+                     + [f"{f} (FLA {v})" for f, v in sorted(FLA_TARGETS)])
+    raise InputError(f"no lock for the {flavour} flavour with FLA {fla}; locks exist for: {have}",
+                     f"Pick one of those (FLA {fla} is for the cuda flavour only; the cpu gate image stays on "
+                     f"FLA {DEFAULT_FLA}).")
 
 #: What each flavour's base brings (name -> version, or "" where not recorded): never locked;
 #: the closure check counts a requirement on one as met. cuda: NGC PyTorch 25.12 release notes
@@ -104,11 +173,17 @@ _CUDA_KEEP = frozenset({"nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs
 SDIST_ONLY = {"antlr4-python3-runtime": "4.9.3"}
 
 _HEADER = """\
-# Generated by `tools/image lock --flavour {flavour}` from docker/requirements.in; do not edit by hand.
+# Generated by `tools/image lock --flavour {flavour}{fla_flag}` from docker/requirements.in; do not edit by hand.
 # Every package of the closure for the {flavour} image, pinned with ==, with the sha256 of each
 # file pip may pick for CPython {python} on linux x86_64 (manylinux up to glibc {glibc}).
 # Base: {base}. Not here, because the base brings it: {provided}.
-# The Dockerfile installs this file with `pip install --require-hashes`.
+{own_torch}# The Dockerfile installs this file with `pip install --require-hashes`.
+"""
+_OWN_TORCH_NOTE = """\
+# FLA {fla} set: requirements.in's FLA lines replaced by flash-linear-attention/fla-core=={fla} and
+# triton=={triton} ({why}). The base's torch declares another triton, so this lock
+# holds {torch} (it declares triton=={triton}), torchvision and torch's CUDA runtime wheels; in the
+# venv they shadow the base's. The base's Transformer Engine is built for the base's torch.
 """
 
 
@@ -127,12 +202,34 @@ UNAVAILABLE = {
 }
 
 
-def base_provided(flavour: str, name: str) -> bool:
-    """True when ``name`` comes with ``flavour``'s base image (or cannot be installed there,
-    :data:`UNAVAILABLE`) and is never locked."""
+#: What a target that locks its own torch (:attr:`Target.own_torch`) takes from the base all the same.
+_OWN_TORCH_LOCKS = frozenset({"torch", "torchvision"})
+
+
+def provided_by_base(target) -> dict:
+    """:data:`BASE_PROVIDED` of ``target`` (a :class:`Target` or a flavour name), less torch and
+    torchvision where the target locks its own."""
+    if isinstance(target, str):
+        return BASE_PROVIDED[target]
+    provided = BASE_PROVIDED[target.flavour]
+    if target.own_torch:
+        provided = {n: v for n, v in provided.items() if n not in _OWN_TORCH_LOCKS}
+    return provided
+
+
+def base_provided(flavour, name: str) -> bool:
+    """True when ``name`` comes with the base image of ``flavour`` (a flavour name or a
+    :class:`Target`), or cannot be installed there (:data:`UNAVAILABLE`), and is never locked.
+
+    A target with :attr:`Target.own_torch` locks torch, torchvision and the CUDA runtime wheels.
+    """
+    target = flavour
+    flavour = target if isinstance(target, str) else target.flavour
     name = canonical(name)
-    if name in BASE_PROVIDED[flavour] or name in UNAVAILABLE[flavour]:
+    if name in provided_by_base(target) or name in UNAVAILABLE[flavour]:
         return True
+    if not isinstance(target, str) and target.own_torch:
+        return False
     return flavour == "cuda" and bool(_CUDA_RUNTIME.match(name)) and name not in _CUDA_KEEP
 
 
@@ -145,10 +242,11 @@ class LockEntry:
     hashes: set[str] = field(default_factory=set)
 
 
-def parse_report(report: dict, flavour: str = "cpu") -> dict[str, LockEntry]:
+def parse_report(report: dict, flavour="cpu") -> dict[str, LockEntry]:
     """Pins from a ``pip install --dry-run --report`` document, keyed by canonical name.
 
-    Leaves out what ``flavour``'s base provides (:func:`base_provided`).
+    Leaves out what the base of ``flavour`` (a flavour name or a :class:`Target`) provides
+    (:func:`base_provided`).
     """
     entries: dict[str, LockEntry] = {}
     for item in report.get("install", []):
@@ -166,12 +264,18 @@ def parse_report(report: dict, flavour: str = "cpu") -> dict[str, LockEntry]:
 def render_lock(entries: Iterable[LockEntry], target: Optional[Target] = None) -> str:
     """The lock text: sorted by name, hashes sorted, one continuation line per hash."""
     target = target or TARGETS["cpu"]
-    provided = sorted(BASE_PROVIDED[target.flavour])
+    provided = sorted(provided_by_base(target))
     provided += [f"{n} (cannot be installed: {why})" for n, why in sorted(UNAVAILABLE[target.flavour].items())]
-    if target.flavour == "cuda":
+    if target.flavour == "cuda" and not target.own_torch:
         provided.append("the CUDA runtime wheels (nvidia-*-cu12/-cu13) and bindings (cuda-bindings)")
-    out = [_HEADER.format(flavour=target.flavour, python=target.python, glibc=".".join(map(str, target.glibc)),
-                          base=target.base, provided=", ".join(provided))]
+    own = ""
+    if target.own_torch:
+        fla_set = FLA_SETS[target.fla]
+        own = _OWN_TORCH_NOTE.format(fla=target.fla, triton=fla_set.triton, why=fla_set.why, torch=target.torch)
+    fla_flag = "" if target.fla == DEFAULT_FLA else f" --fla {target.fla}"
+    out = [_HEADER.format(flavour=target.flavour, fla_flag=fla_flag, python=target.python,
+                          glibc=".".join(map(str, target.glibc)), base=target.base, provided=", ".join(provided),
+                          own_torch=own)]
     for entry in sorted(entries, key=lambda e: e.name):
         if not entry.hashes:
             raise ImageError(f"lock: no hash for {entry.name}=={entry.version}",
@@ -256,15 +360,31 @@ def _sdist_wheels(python: str, work: Path) -> Path:
     return dest
 
 
+def requirements_for(requirements_in: Path, target: Target) -> list[str]:
+    """The requirement lines ``target`` resolves: those of ``requirements_in`` (comments dropped),
+    with the lines of the FLA axis (:data:`FLA_AXIS`) replaced by the target's FLA set."""
+    lines = requested_requirements(requirements_in)
+    if target.fla == DEFAULT_FLA:
+        return lines
+    from packaging.requirements import Requirement
+
+    kept = [line for line in lines if canonical(Requirement(line).name) not in FLA_AXIS]
+    fla_set = FLA_SETS[target.fla]
+    return kept + [f"flash-linear-attention=={fla_set.fla}", f"fla-core=={fla_set.fla}",
+                   f"triton=={fla_set.triton}"]
+
+
 def resolve(requirements_in: Path, target: Target, work: Path, torch_wheel: Optional[Path] = None) -> dict:
     """Resolve the inputs for ``target`` on an interpreter of its Python; returns the entries."""
     python = find_python(target.python)
     torch = str(torch_wheel) if target.flavour == "cpu" else target.torch
     report = work / "report.json"
+    reqs = work / "requirements.txt"
+    reqs.write_text("".join(f"{line}\n" for line in requirements_for(requirements_in, target)), encoding="utf-8")
     _pip(python, ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
                   "--target", str(work / "target"), "--find-links", str(_sdist_wheels(python, work)),
-                  *_target_flags(target), "-r", str(requirements_in), torch])
-    return parse_report(json.loads(report.read_text(encoding="utf-8")), target.flavour)
+                  *_target_flags(target), "-r", str(reqs), torch])
+    return parse_report(json.loads(report.read_text(encoding="utf-8")), target)
 
 
 def download_hashes(entries: dict[str, LockEntry], target: Target, work: Path) -> None:
@@ -330,7 +450,7 @@ def unmet_requirements(report: dict, target: Target, requested: Iterable[str] = 
     from packaging.specifiers import SpecifierSet
 
     have = {canonical(i["metadata"]["name"]): i["metadata"] for i in report.get("install", [])}
-    provided = BASE_PROVIDED[target.flavour]
+    provided = provided_by_base(target)
     problems: set[str] = set()
     for name, meta in have.items():
         wants = meta.get("requires_python")
@@ -357,7 +477,7 @@ def unmet_requirements(report: dict, target: Target, requested: Iterable[str] = 
                 if dep in have:
                     if not req.specifier.contains(Version(have[dep]["version"]), prereleases=True):
                         problems.add(f"{name} needs {req} (the lock has {have[dep]['version']})")
-                elif base_provided(target.flavour, dep):
+                elif base_provided(target, dep):
                     version = provided.get(dep, "")
                     if version and not req.specifier.contains(Version(version), prereleases=True):
                         problems.add(f"{name} needs {req} (the base has {version})")
@@ -397,12 +517,22 @@ def check_lock(lock_path: Path, target: Target, requirements_in: Optional[Path] 
                       "--report", str(report), "--target", str(Path(tmp) / "target"),
                       *_target_flags(target, only_binary=False), "-r", str(lock_path)])
         data = json.loads(report.read_text(encoding="utf-8"))
-    requested = requested_requirements(requirements_in) if requirements_in else []
+    requested = requirements_for(requirements_in, target) if requirements_in else []
     unmet = unmet_requirements(data, target, requested)
-    result = {"flavour": target.flavour, "packages": len(data.get("install", [])), "python": target.python,
+    pins = {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in data.get("install", [])}
+    wrong = [f"{name}=={pins.get(name)} (the FLA {target.fla} set pins {want})"
+             for name, want in (("flash-linear-attention", target.fla), ("fla-core", target.fla),
+                                ("triton", target.triton)) if pins.get(name) != want]
+    if wrong:
+        raise ImageError(f"lock {lock_path} does not hold the FLA {target.fla} set: {', '.join(wrong)}",
+                         f"Regenerate it with `tools/image lock --flavour {target.flavour} --fla {target.fla}`, "
+                         "then check again.")
+    result = {"flavour": target.flavour, "fla": target.fla, "triton": target.triton,
+              "packages": len(data.get("install", [])), "python": target.python,
               "platforms": f"{target.platforms[0]} .. {target.platforms[-1]}", "unmet": unmet}
     if unmet:
         raise ImageError(f"lock {lock_path} is not a closed set for {target.flavour} (CPython {target.python}):\n"
                          + "\n".join(f"  {u}" for u in unmet),
-                         f"Regenerate it with `tools/image lock --flavour {target.flavour}`, then check again.")
+                         f"Regenerate it with `tools/image lock --flavour {target.flavour} --fla {target.fla}`, "
+                         "then check again.")
     return result

@@ -24,6 +24,11 @@ not upstream Megatron-LM behaviour. The host copy of those boundaries is made on
 micro-batch and kept on its ``PackedSeqParams`` (:class:`PackedCuSeqlens`,
 :func:`attach_cu_seqlens_cpu`), so a stack of GDN layers makes one device->host copy per
 micro-batch, not one per layer.
+
+The FLA releases this tree is tested with are listed in :data:`SUPPORTED_FLA_VERSIONS`;
+:func:`check_fla_version` refuses any other when a GDN layer is built (FLA moved
+``chunk_gated_delta_rule``'s parameters between releases, so an untested one would fail
+mid-forward with a ``TypeError``, or run with other semantics).
 """
 
 from dataclasses import dataclass
@@ -42,6 +47,55 @@ DEFAULT_LINEAR_CP_MODE = "headwise"
 
 class LinearCPError(ValueError):
     """A GDN context-parallel setting or input that cannot run; the message says what to change."""
+
+
+#: FLA (flash-linear-attention / fla-core) releases the GDN layers are tested with. 0.4.2: triton
+#: 3.6.0. 0.5.2: triton >= 3.7.1 on Hopper (FLA refuses its gated backward with triton >= 3.4.0,
+#: < 3.7.1 there unless tilelang is usable); it runs FlashQLA instead of its Triton kernels when
+#: ``flash_qla`` is installed, except under CP (``FLA_FLASH_QLA=0`` turns that off).
+SUPPORTED_FLA_VERSIONS = ("0.4.2", "0.5.2")
+
+
+class UnsupportedFLAError(RuntimeError):
+    """The installed FLA release is not one of :data:`SUPPORTED_FLA_VERSIONS`."""
+
+
+def installed_fla_version() -> Optional[str]:
+    """Version of the ``fla`` package that imports (``fla.__version__``), else fla-core's
+    distribution metadata; None when neither is there."""
+    try:
+        import fla
+
+        found = getattr(fla, "__version__", None)
+        if found:
+            return str(found)
+    except ImportError:
+        pass
+    try:
+        from importlib import metadata
+
+        return metadata.version("fla-core")
+    except Exception:  # PackageNotFoundError, or broken metadata
+        return None
+
+
+def check_fla_version(version: Optional[str] = None) -> str:
+    """Return the installed FLA version (or ``version``) when it is supported.
+
+    Raises:
+        UnsupportedFLAError: naming the version found and the supported ones.
+    """
+    found = installed_fla_version() if version is None else version
+    if found not in SUPPORTED_FLA_VERSIONS:
+        raise UnsupportedFLAError(
+            f"flash-linear-attention {found or '(not found)'} is installed; the GDN layers of this "
+            f"Megatron tree support FLA {' and '.join(SUPPORTED_FLA_VERSIONS)} only (FLA changed "
+            "chunk_gated_delta_rule's parameters between releases). Install one of them: "
+            "`pip install flash-linear-attention==0.4.2 fla-core==0.4.2 triton==3.6.0`, or "
+            "`pip install flash-linear-attention==0.5.2 fla-core==0.5.2 triton==3.7.1` with a torch "
+            "that declares that triton (torch 2.12.1)."
+        )
+    return found
 
 
 def check_linear_cp_mode(mode) -> str:

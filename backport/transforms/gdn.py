@@ -305,6 +305,42 @@ def gdn_init_check_linear_cp(text: str, path: str = "gated_delta_net.py") -> Res
     return Result(replace_node(module, init, new_init, path).code)
 
 
+GDN_FLA_VERSION_CHECK = '''
+# FLA moved chunk_gated_delta_rule's parameters between releases: refuse an untested one by name.
+gdn_context_parallel.check_fla_version()
+'''
+
+
+@register("gdn_init_check_fla_version")
+def gdn_init_check_fla_version(text: str, path: str = "gated_delta_net.py") -> Result:
+    """In ``GatedDeltaNet.__init__``, right after the ``if not HAVE_FLA: raise ...`` check,
+    refuse an FLA release outside ``gdn_context_parallel.SUPPORTED_FLA_VERSIONS``."""
+    module = parse(text, path)
+    cls = find_class(module, "GatedDeltaNet", path)
+    init = find_function(cls.body.body, "__init__", f"{path}: GatedDeltaNet")
+    body = list(init.body.body)
+    have_fla = m.If(test=m.UnaryOperation(operator=m.Not(), expression=m.Name("HAVE_FLA")))
+    idx = next((i for i, st in enumerate(body) if m.matches(st, have_fla)), None)
+    if idx is None:
+        raise ApplyError(f"{path}: anchor `if not HAVE_FLA:` in GatedDeltaNet.__init__ not found.")
+    new = statements(GDN_FLA_VERSION_CHECK)
+    call = m.Call(func=m.Attribute(attr=m.Name("check_fla_version")) | m.Name("check_fla_version"))
+    existing = next((st for st in body if m.findall(st, call)), None)
+    if existing is not None:
+        if _normalised(code_of(existing, module)) == _normalised(code_of(new[0], module)):
+            return Result(text, "already-present")
+        raise BindingExists(
+            f"{path}: GatedDeltaNet.__init__ already calls check_fla_version "
+            f"({code_of(existing, module).strip().splitlines()[-1]!r}, line {_line_of(module, existing)}) in "
+            "another form; the transform would check the FLA version twice, differently.",
+            scope="GatedDeltaNet.__init__", name="check_fla_version", lineno=_line_of(module, existing),
+            hint="Drop the check from the carried patch (the recipe adds it), or give it the recipe's exact form.")
+    new[0] = _blank_line_before(new[0])
+    body[idx + 1:idx + 1] = new
+    new_init = init.with_changes(body=init.body.with_changes(body=body))
+    return Result(replace_node(module, init, new_init, path).code)
+
+
 @register("gdn_linear_cp_forward")
 def gdn_linear_cp_forward(text: str, path: str = "gated_delta_net.py") -> Result:
     """Replace ``GatedDeltaNet.forward`` by our three-mode forward

@@ -22,7 +22,8 @@ FIXES = ["fix_prepare_qkv_no_dynamo", "fix_local_cp_tuple_index"]
 
 def test_registry_lists_the_gdn_transforms():
     assert sorted(REGISTRY) == sorted([
-        "gdn_config_linear_cp_mode", "gdn_imports", "gdn_init_check_linear_cp", "gdn_linear_cp_forward",
+        "gdn_config_linear_cp_mode", "gdn_imports", "gdn_init_check_linear_cp", "gdn_init_check_fla_version",
+        "gdn_linear_cp_forward",
         "gdn_prepare_qkv_headwise_cp_size", "gdn_prepare_qkv_fused_copies", "gdn_local_cp_none_group",
         "packed_seq_params_cu_seqlens_cpu_cache", "te_attention_skip_cu_seqlens_cpu_cache", *FIXES])
 
@@ -310,7 +311,10 @@ def test_fused_copies_replace_a_body_whose_template_statement_the_carry_changed(
 def test_transforms_are_deterministic():
     special = {"gdn_prepare_qkv_fused_copies": _with_cp_size(),
                "packed_seq_params_cu_seqlens_cpu_cache": PACKED_SEQ_PARAMS,
-               "te_attention_skip_cu_seqlens_cpu_cache": TE_ATTENTION}
+               "te_attention_skip_cu_seqlens_cpu_cache": TE_ATTENTION,
+               "gdn_init_check_fla_version": GDN.replace(
+                   "        self.config = config\n",
+                   "        if not HAVE_FLA:\n            raise ImportError('no FLA')\n        self.config = config\n")}
     for name in sorted(REGISTRY):
         src = CONFIG if "config" in name else special.get(name, GDN)
         assert REGISTRY[name](src, "x.py") == REGISTRY[name](src, "x.py")
