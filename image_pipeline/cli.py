@@ -25,7 +25,7 @@ from .build import (IMAGE_REPO, BuildResult, build_args, build_image, host_ca_bu
                     stage_context)
 from .engine import (DEFAULT_MIN_FREE_GIB, MIN_FREE_GIB, DiskPeak, check_disk, docker_client, docker_storage,
                      engine_lock, ensure_base_image, image_exists, pull_image)
-from .errors import PULL_FAILED_HINT, BaseImageMissing
+from .errors import PULL_FAILED_HINT, BaseImageMissing, InputError
 from .gate import cases_path, cases_record, require_gate_ok, run_gate, suite_digest, write_json
 from .inputs import (CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, REPO_ROOT, Inputs, flavour_lock, preflight,
                      read_tree_lock)
@@ -280,6 +280,10 @@ def check_lock(flavour, fla, lock_path):
 
     target = target_for(flavour, fla)
     path = Path(lock_path) if lock_path else flavour_lock(flavour, fla)
+    if not path.is_file():
+        raise InputError(f"the {flavour} lock for FLA {fla} is missing: {path}",
+                         hint=f"Make it with `tools/image lock --flavour {flavour} --fla {fla}` (needs PyPI) and "
+                              "commit it, or restore it with `git checkout -- docker/`.")
     result = run_check(path, target, Inputs().docker_dir / "requirements.in")
     say(f"==> [check-lock] {path.name} (FLA {result['fla']}, triton {result['triton']}): "
         f"{result['packages']} packages install on CPython {result['python']} "

@@ -458,6 +458,18 @@ def test_cli_refuses_missing_inputs_before_docker(capsys, tmp_path):
     assert "tools/backport --upstream 5139086e" in capsys.readouterr().err
 
 
+def test_check_lock_of_a_missing_lock_names_the_lock_not_pypi(capsys, monkeypatch, tmp_path):
+    """A missing lock file is the culprit, not the network: exit 13, the path, the command that makes it."""
+    monkeypatch.setattr(image_cli, "flavour_lock", lambda flavour, fla=None: tmp_path / "requirements-cuda-fla052.lock")
+    with pytest.raises(SystemExit) as info:
+        image_cli.main(["check-lock", "--flavour", "cuda", "--fla", "0.5.2"])
+    err = capsys.readouterr().err
+    assert info.value.code == 13
+    first = err.splitlines()[0]
+    assert "lock for FLA 0.5.2 is missing" in first and "requirements-cuda-fla052.lock" in first
+    assert "tools/image lock --flavour cuda --fla 0.5.2" in err and "PyPI is reachable" not in err
+
+
 def test_cli_usage_error_exits_2(capsys):
     with pytest.raises(SystemExit) as info:
         image_cli.main(["build", "--flavour", "tpu"])
