@@ -209,7 +209,8 @@ def carry_survival(run) -> dict:
             continue
         final_text = run.ws.files[cf.path].text
         carried_text = run.carried_text.get(cf.path) or ""
-        final_view, carried_view = _FileView(final_text), _FileView(carried_text)  # one parse each per file
+        final_view = _FileView(final_text)  # one parse each per file (one in all when no step changed it)
+        carried_view = final_view if carried_text == final_text else _FileView(carried_text)
         state = run.ws.files[cf.path]
         if cf.new_mode and cf.old_mode and cf.new_mode != cf.old_mode and (state.mode or cf.new_mode) != cf.new_mode:
             _fail("carry_survival", f"{cf.path}: carried mode {cf.new_mode} is not in the output", hint=_SURVIVAL_HINT)
