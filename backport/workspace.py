@@ -173,6 +173,21 @@ class SymbolMap:
         return self._by_name.get(name)
 
 
+class SymbolMaps:
+    """:class:`SymbolMap` per text, for one build: a text is parsed once however often it is
+    asked for (the determinism run and ``carry_survival`` see the same base and carried files)."""
+
+    def __init__(self):
+        self._maps: dict = {}
+
+    def get(self, text: str) -> SymbolMap:
+        """The map of ``text`` (parsed on the first request)."""
+        found = self._maps.get(text)
+        if found is None:
+            found = self._maps[text] = SymbolMap(text)
+        return found
+
+
 def _bound_names(stmt) -> list[str]:
     """Names a module- or class-level statement binds (defs, classes, assignments, imports)."""
     if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
