@@ -32,7 +32,8 @@ from unidiff import PatchSet
 from .errors import ApplyError
 from .gitenv import isolated
 from .gitpath import split_quoted, unquote
-from .workspace import FileState, HunkLines, SymbolMap, Workspace, anchor_line, check_tree_path, hunk_lines, split_lines
+from .workspace import (FileState, HunkLines, SymbolMap, SymbolMaps, Workspace, anchor_line, check_tree_path, hunk_lines,
+                        split_lines)
 
 GIT_ENV = {"LC_ALL": "C"}
 MODES = {"100644", "100755"}
@@ -463,11 +464,12 @@ def git_apply_tree(carry: Carry, base_tree: Path) -> tuple[Optional[dict], str]:
         return out, ""
 
 
-def _place_lines(hunks: list, state: FileState, base_symbols: Optional[SymbolMap], base_text: Optional[str]) -> None:
+def _place_lines(hunks: list, state: FileState, base_symbols: Optional[SymbolMap], base_text: Optional[str],
+                 maps: SymbolMaps) -> None:
     """Fill ``added_at`` and ``line_symbols`` of ``hunks`` (all of one file, already applied):
     one pass over the file's line tags and one parse of the carried file, whatever the number
     of hunks."""
-    carried = SymbolMap(state.text)
+    carried = maps.get(state.text)
     base_lines = split_lines(base_text or "")
     mine: dict = {}
     for i, tag in enumerate(state.tags):
@@ -489,7 +491,8 @@ def _place_lines(hunks: list, state: FileState, base_symbols: Optional[SymbolMap
 
 
 def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Optional[str]], base_tree: Path,
-                origins: dict, warn: Callable[[str], None] = lambda _m: None) -> None:
+                origins: dict, warn: Callable[[str], None] = lambda _m: None,
+                symbol_maps: Optional[SymbolMaps] = None) -> None:
     """Apply ``carry`` to ``ws`` (paths already checked), record origins, prove it equals git apply.
 
     Every hunk is placed with zero fuzz inside the class/function it sits in at the base
@@ -497,12 +500,17 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
     tag the moved lines with ``carry:<new>#rename``/``#copy``; a mode change with
     ``carry:<path>#mode``.
 
+    Each file is parsed once (its base; the file after the carry once more, for the symbol of
+    every carried line), whatever its number of hunks; ``symbol_maps`` keeps those parses for
+    a later run on the same files (the determinism run, ``carry_survival``).
+
     Raises:
-        ApplyError: a hunk does not apply, is already applied, lands in another symbol or
-            twice in its symbol; CarryRefused('git-apply-differs') when git apply refuses the
-            patch or makes other bytes.
+        ApplyError: a hunk does not apply, is already applied, lands in another symbol, or
+            matches twice in its symbol equally near its header's line; CarryRefused('git-apply-differs')
+            when git apply refuses the patch or makes other bytes.
     """
     name = carry.source.name
+    maps = symbol_maps if symbol_maps is not None else SymbolMaps()
 
     def get(path: str) -> FileState:
         return ws.get(path, base_reader)
@@ -527,7 +535,7 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
         state = get(cf.path)
         # one parse of the base file for all its hunks: their symbols, and the symbol of every
         # place their context matches (looked up through the line tags, FileState.apply_hunk)
-        base_symbols = SymbolMap(base_text) if base_text is not None and cf.hunks else None
+        base_symbols = maps.get(base_text) if base_text is not None and cf.hunks else None
         for h in cf.hunks:
             h.symbol = base_symbols.at(anchor_line(h.lines.source, h.lines.changes, h.lines.header_pos)) \
                 if base_symbols is not None else ""
@@ -550,7 +558,7 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
             if h.offset:
                 warn(f"warning: carried hunk {h.oid} placed at offset {h.offset:+d} lines")
         if cf.kind != "delete" and cf.hunks:
-            _place_lines(cf.hunks, state, base_symbols, base_text)
+            _place_lines(cf.hunks, state, base_symbols, base_text, maps)
         if cf.kind == "delete":
             if state.lines:
                 raise ApplyError(f"carried patch {name}: deleting {cf.old_path} leaves {len(state.lines)} lines.",

@@ -31,7 +31,8 @@ from .options import Options, fs_text, validate
 from .patchfile import attribute_hunks, kind_counts, make_patch
 from .upstream_lines import beyond_upstream_rows, origin_line_totals, upstream_line_sets
 from .upstream import UpstreamHunk, load_hunks
-from .workspace import BindingMap, FileState, Workspace, check_tree_path, hunk_lines, new_bindings, split_lines
+from .workspace import (BindingMap, FileState, SymbolMaps, Workspace, check_tree_path, hunk_lines, new_bindings,
+                        split_lines)
 
 ADAPTATIONS = Path(__file__).resolve().parent / "adaptations"
 
@@ -67,7 +68,8 @@ class _Run:
 
     def __init__(self, recipe: Recipe, mlm: Source, upstream_sha: str, hunks: dict[str, UpstreamHunk],
                  base_tree: Path, carry: Optional[Path], warn: Callable[[str], None] = lambda _m: None,
-                 base_sha: Optional[str] = None, retargeted: bool = False, carry_model=None):
+                 base_sha: Optional[str] = None, retargeted: bool = False, carry_model=None,
+                 symbol_maps: Optional[SymbolMaps] = None):
         self.recipe, self.mlm, self.upstream_sha, self.hunks = recipe, mlm, upstream_sha, hunks
         self.base_sha = base_sha
         #: pins other than the recipe's (--bridge/--mcore-base): what the base already has is
@@ -82,6 +84,9 @@ class _Run:
         #: determinism re-run see the same bytes even when the file changes meanwhile)
         self.carry_model = carry_model
         self.carried_text: dict[str, Optional[str]] = {}
+        #: symbol maps by file text, shared by the runs of one build and carry_survival (a
+        #: carried file is parsed once, not once per hunk nor once per run)
+        self.symbol_maps = symbol_maps if symbol_maps is not None else SymbolMaps()
         self._by_path: Optional[dict] = None
         self._upstream_parent: dict[str, Optional[str]] = {}
         #: path -> the file after the recipe steps so far, without the carry (the ancestor of the
@@ -111,7 +116,7 @@ class _Run:
     def _apply_carry(self) -> None:
         carry = self.carry_model if self.carry_model is not None else load_carry(self.carry)
         check_paths(carry, self.base_tree)
-        apply_carry(carry, self.ws, self.base_text, self.base_tree, self.origins, self.warn)
+        apply_carry(carry, self.ws, self.base_text, self.base_tree, self.origins, self.warn, self.symbol_maps)
         self.carry_model = carry
         for cf in carry.files:
             for path in (cf.old_path, cf.new_path):
@@ -639,9 +644,11 @@ def build(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> B
         + "Apply with: patch -p1 --fuzz=0 < megatron.patch (from the tree root holding megatron/)\n\n"
     )
 
+    symbol_maps = SymbolMaps()  # one parse per file text for both runs and carry_survival
+
     def once(warn=lambda _m: None):
         run = _Run(recipe, mlm, upstream_sha, hunks, base_tree, opts.carry, warn=warn, base_sha=base_sha,
-                   retargeted=used.retargeted, carry_model=carry_model)
+                   retargeted=used.retargeted, carry_model=carry_model, symbol_maps=symbol_maps)
         run.apply()
         return run, make_patch(run.ws.changed(), header, base_tree)
 

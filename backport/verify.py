@@ -25,7 +25,7 @@ from .errors import VerificationError
 from .gitpath import patch_path
 from .recipe import UpstreamFile
 from .tree import base_compile_errors
-from .workspace import BindingMap, SymbolMap, new_bindings, parse_python, split_lines
+from .workspace import BindingMap, SymbolMaps, new_bindings, split_lines
 
 CONFLICT = re.compile(r"^(<{7}|={7}|>{7})( |$)")
 
@@ -226,15 +226,23 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress,
 
 
 class _FileView:
-    """One text as ``carry_survival`` reads it, from one parse: the lines of each symbol,
-    counted (stripped of line ends), and its module/class-level bindings."""
+    """One text as ``carry_survival`` reads it: the lines of each symbol, counted (stripped of
+    line ends), from its symbol map (one parse per text, shared through ``maps``), and its
+    module/class-level bindings (parsed when first asked)."""
 
-    def __init__(self, text: str):
-        tree = parse_python(text)
+    def __init__(self, text: str, maps: SymbolMaps):
+        self.text = text
         self.lines = [ln.rstrip("\r\n") for ln in split_lines(text)]
-        self.symbols = SymbolMap(text, tree)
-        self.bindings = BindingMap(text, tree)
+        self.symbols = maps.get(text)
+        self._bindings: "BindingMap | None" = None
         self._counts: dict = {}
+
+    @property
+    def bindings(self) -> BindingMap:
+        """The text's bindings (one parse, on first use)."""
+        if self._bindings is None:
+            self._bindings = BindingMap(self.text)
+        return self._bindings
 
     def region(self, symbol) -> "Counter | None":
         """How often each line occurs in ``symbol``: the whole file for module level or a
@@ -264,6 +272,7 @@ def carry_survival(run) -> dict:
     if carry is None:
         return {"check": "carry_survival", "ok": True, "detail": "no carried patch"}
     checked = superseded = 0
+    maps = getattr(run, "symbol_maps", None) or SymbolMaps()
     for cf in carry.files:
         for path in (cf.old_path, cf.new_path):
             if not path:
@@ -282,7 +291,8 @@ def carry_survival(run) -> dict:
             continue
         final_text = run.ws.files[cf.path].text
         carried_text = run.carried_text.get(cf.path) or ""
-        final_view, carried_view = _FileView(final_text), _FileView(carried_text)  # one parse each per file
+        final_view = _FileView(final_text, maps)  # one parse each per file (none when the runs parsed it)
+        carried_view = final_view if carried_text == final_text else _FileView(carried_text, maps)
         state = run.ws.files[cf.path]
         if cf.new_mode and cf.old_mode and cf.new_mode != cf.old_mode and (state.mode or cf.new_mode) != cf.new_mode:
             _fail("carry_survival", f"{cf.path}: carried mode {cf.new_mode} is not in the output", hint=_SURVIVAL_HINT)
@@ -313,7 +323,9 @@ def carry_survival(run) -> dict:
                     elif final[line] > before[line]:
                         _fail("carry_survival", f"{where}: removed line {line.strip()!r} is back in the output",
                               hint=_SURVIVAL_HINT)
-            twice = _twice_bound(carried_view.bindings, final_view.bindings, h)
+            # no step changed the file: nothing can be bound twice (and nothing needs parsing)
+            twice = _twice_bound(carried_view.bindings, final_view.bindings, h) if final_view is not carried_view \
+                else None
             if twice:
                 scope, name = twice
                 _fail("carry_survival", f"carried hunk {h.n} of {h.path} ({h.oid}): {name} is bound again in "

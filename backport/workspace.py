@@ -87,22 +87,36 @@ def parse_python(text: str):
         return None
 
 
+#: the fields of a statement (or handler, or match case) that hold statements: the only places
+#: a def or class can be (expressions hold none), visited in each node's own field order
+_BLOCKS = frozenset(("body", "handlers", "orelse", "finalbody", "cases"))
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
 def _spans_of(tree) -> list[tuple[int, int, str]]:
+    """Def/class spans of a parsed module, in the order ``ast.iter_child_nodes`` meets them
+    (statement blocks only: expressions are not walked)."""
     spans = []
     seen: dict[str, int] = {}
 
     def walk(node, prefix):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                name = prefix + child.name
-                seen[name] = seen.get(name, 0) + 1
-                if seen[name] > 1:  # a second definition of the same name is another symbol
-                    name = f"{name}[{seen[name]}]"
-                first = min([child.lineno] + [d.lineno for d in child.decorator_list]) - 1
-                spans.append((first, child.end_lineno - 1, name))
-                walk(child, name + ".")
-            else:
-                walk(child, prefix)
+        for fname in node._fields:
+            if fname not in _BLOCKS:
+                continue
+            block = getattr(node, fname, None)
+            if not isinstance(block, list):  # Lambda.body, IfExp.body: expressions
+                continue
+            for child in block:
+                if isinstance(child, _DEFS):
+                    name = prefix + child.name
+                    seen[name] = seen.get(name, 0) + 1
+                    if seen[name] > 1:  # a second definition of the same name is another symbol
+                        name = f"{name}[{seen[name]}]"
+                    first = min([child.lineno] + [d.lineno for d in child.decorator_list]) - 1
+                    spans.append((first, child.end_lineno - 1, name))
+                    walk(child, name + ".")
+                else:
+                    walk(child, prefix)
 
     walk(tree, "")
     return spans
@@ -157,6 +171,21 @@ class SymbolMap:
     def span(self, name: str) -> Optional[tuple[int, int]]:
         """``(first, last)`` 0-based inclusive lines of the first symbol called ``name``, or None."""
         return self._by_name.get(name)
+
+
+class SymbolMaps:
+    """:class:`SymbolMap` per text, for one build: a text is parsed once however often it is
+    asked for (the determinism run and ``carry_survival`` see the same base and carried files)."""
+
+    def __init__(self):
+        self._maps: dict = {}
+
+    def get(self, text: str) -> SymbolMap:
+        """The map of ``text`` (parsed on the first request)."""
+        found = self._maps.get(text)
+        if found is None:
+            found = self._maps[text] = SymbolMap(text)
+        return found
 
 
 def _bound_names(stmt) -> list[str]:
