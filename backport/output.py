@@ -664,16 +664,22 @@ def _refuse_other_pins(build, root: Path, disk_lock: dict) -> None:
     differ = [key for key in PIN_FLAGS if key in old and old.get(key) != new.get(key)]
     if not differ:
         return
-    said = "; ".join(f"{key} {str(old[key])[:12]} in the lock, {str(new.get(key))[:12]} in this check "
-                     f"({PIN_FLAGS[key]})" for key in differ)
-    flags = " / ".join(PIN_FLAGS[key] for key in differ)
-    lock_args = " ".join(f"{PIN_FLAGS[key]} {str(old[key])[:12]}" for key in differ)
+    def why(key: str) -> str:
+        if key == "mcore_base" and not new.get("pin_mismatch_allowed"):
+            return "the .dev.commit of that Megatron-Bridge commit"
+        return PIN_FLAGS[key]
+
+    said = "; ".join(f"{key} {str(old[key])[:12]} in the lock, {str(new.get(key))[:12]} in this check ({why(key)})"
+                     for key in differ)
+    route = {"megatron_bridge": "drop --bridge (--check takes the lock's Megatron-Bridge pin)",
+             "mcore_base": "drop --mcore-base (with --allow-pin-mismatch, --check takes the lock's base)",
+             "upstream": f"pass --upstream {str(old.get('upstream'))[:12]} (the lock's)"}
+    todo = "; ".join(route[key] for key in differ if why(key) == PIN_FLAGS[key]) or route["megatron_bridge"]
     raise CheckMismatch(
         f"the pins of this check differ from {root / LOCK}: {said}; every output differs with other pins, "
         "so nothing else was compared",
-        hint=f"Check with the lock's pins: drop {flags} (--check takes the Megatron-Bridge pin from the lock; "
-             f"pass {lock_args} where it does not); or, to check other pins, write them to a --out of their own "
-             "first and pass that --out to --check.")
+        hint=f"To check with the lock's pins: {todo}. To check other pins, write them to a --out of their own "
+             "first (`tools/backport --bridge SHA --out DIR`) and pass that --out to --check.")
 
 
 def _adopt_skipped(build, root: Path, warn: Callable[[str], None]):

@@ -164,3 +164,150 @@ def test_a_killed_switch_of_a_skipping_run_rolls_forward_and_never_touches_the_l
     assert json.loads((out / "patches/latest/manifest.json").read_text())["date"] == "2026-01-03"
     assert snapshot(out / output.LOCK) == lock
     assert not (out / output.TXN).exists()
+
+
+# --- a damaged cache entry is named as damaged, with the command that repairs it ---------------
+
+def _own_pack(entry: Path) -> Path:
+    """Repack the cache entry into one pack of its own (a clone from a local path hard-links the
+    fixture's packs: damaging those would damage the fixture) and return it."""
+    from conftest import git
+
+    git(entry, "repack", "-a", "-d", "-q")
+    for extra in (entry / "objects" / "pack").glob("*.bitmap"):
+        extra.unlink()
+    (pack,) = (entry / "objects" / "pack").glob("*.pack")
+    assert pack.stat().st_nlink == 1
+    return pack
+
+
+def _rewrite(path: Path, data: bytes) -> None:
+    path.unlink()  # a new file: never write through a hard link
+    path.write_bytes(data)
+
+
+def _truncate_pack(entry: Path) -> str:
+    pack = _own_pack(entry)
+    _rewrite(pack, pack.read_bytes()[: pack.stat().st_size // 2])
+    return f"{pack} ({pack.stat().st_size} bytes) is not the pack its index names (truncated or overwritten"
+
+
+def _remove_pack(entry: Path) -> str:
+    pack = _own_pack(entry)
+    pack.unlink()
+    return f"{pack.with_suffix('.idx')} has no {pack.name} (a missing pack)"
+
+
+def _corrupt_index(entry: Path) -> str:
+    idx = _own_pack(entry).with_suffix(".idx")
+    data = bytearray(idx.read_bytes())
+    for i in range(8 + 256 * 4, 8 + 256 * 4 + 8):  # the first object name of the table
+        data[i] ^= 0xFF
+    _rewrite(idx, bytes(data))
+    return f"{idx} fails its own checksum (a corrupt pack index)"
+
+
+def _half_written_ref(entry: Path) -> str:
+    from conftest import git
+
+    ref = git(entry, "symbolic-ref", "HEAD").strip()
+    sha = git(entry, "rev-parse", "HEAD").strip()
+    (entry / ref).parent.mkdir(parents=True, exist_ok=True)
+    (entry / ref).write_text(sha[:7])
+    return f"its refs cannot be read (a half-written ref?): `git for-each-ref` said: warning: ignoring broken ref {ref}"
+
+
+def _half_written_packed_refs(entry: Path) -> str:
+    packed = entry / "packed-refs"
+    _rewrite(packed, packed.read_bytes()[:30])
+    return "its refs cannot be read (a half-written ref?): `git for-each-ref` said: fatal: unterminated line in"
+
+
+def _ref_to_a_lost_object(entry: Path) -> str:
+    (entry / "refs" / "heads" / "lost").write_text("0123456789abcdef0123456789abcdef01234567\n")
+    return "refs/heads/lost points at objects the cache lacks (a lost pack or object)"
+
+
+def _missing_objects_folder(entry: Path) -> str:
+    shutil.rmtree(entry / "objects")
+    return "it is not a git repository any more: fatal: not a git repository"
+
+
+@pytest.mark.parametrize("damage", [_truncate_pack, _remove_pack, _corrupt_index, _half_written_ref,
+                                    _half_written_packed_refs, _ref_to_a_lost_object, _missing_objects_folder])
+@pytest.mark.parametrize("offline", [False, True])
+def test_a_damaged_cache_entry_is_named_with_the_command_that_repairs_it(args, tmp_path, damage, offline):
+    """Hostile trial: a pack truncated to half was reported as "cache lacks N commits ... --offline
+    was given"; following that hint fetched a second pack, and later runs used the broken entry
+    silently. Every kind of damage is named, every run refuses it, and deleting the entry repairs it."""
+    run(args + ["--no-trees"], 0)
+    entry = tmp_path / "cache" / "megatron-lm.git"
+    said = damage(entry)
+    flags = args + ["--no-trees"] + (["--offline"] if offline else [])
+    for _again in range(2):  # never used silently afterwards: the next run refuses it too
+        result = run(flags, 3)
+        error = first_error(result.stderr)
+        assert error.startswith(f"error: megatron-lm: the cache {entry} cannot be read (damaged): {said}"), error
+        assert "lacks" not in error.split("(damaged)")[0] and "fetching" not in result.stderr
+        hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
+        assert hint.startswith(f"hint: Delete the damaged cache entry (`rm -rf {entry}`;"), hint
+        assert ("without --offline" in hint) == offline
+    shutil.rmtree(entry)  # the hint's own command
+    run(args + ["--no-trees"], 0)
+    run(args + ["--no-trees", "--offline"], 0)
+
+
+def test_a_damaged_local_mirror_is_named_as_the_source_not_the_cache(args, tmp_path, fake_repos):
+    from conftest import git
+
+    mirror = tmp_path / "mirror.git"
+    git(tmp_path, "clone", "-q", "--bare", "--no-local", str(fake_repos.mlm), str(mirror))
+    said = _truncate_pack(mirror)
+    result = run(_set(args, "--megatron-lm", str(mirror)), 3)
+    error = first_error(result.stderr)
+    assert error.startswith(f"error: megatron-lm: the source {mirror} is damaged: "), error
+    assert not (tmp_path / "cache" / "megatron-lm.git").exists()
+    assert said.split(" (")[0].split("/")[-1] in error
+
+
+def _set(args: list, flag: str, value: str) -> list:
+    args = list(args)
+    args[args.index(flag) + 1] = value
+    return args
+
+
+# --- --check names the pin, not the files ------------------------------------------------------
+
+def test_check_with_another_bridge_names_the_pin_and_the_locks_value_first(args, tmp_path, fake_repos):
+    """Hostile trial: --check --bridge <other> exited 8 rightly, but first warned that tree files
+    were ones "the tool did not write", and its hint spoke of --carry."""
+    out = tmp_path / "out"
+    run(args, 0)
+    lock = json.loads((out / output.LOCK).read_text())
+    result = run(args + ["--check", "--bridge", fake_repos.bridge_other], 8)
+    error = first_error(result.stderr)
+    assert error.startswith(f"error: the pins of this check differ from {out / output.LOCK}: megatron_bridge "
+                            f"{lock['pins']['megatron_bridge'][:12]} in the lock, {fake_repos.bridge_other[:12]} in "
+                            "this check (--bridge); mcore_base "), error
+    assert "(the .dev.commit of that Megatron-Bridge commit)" in error
+    assert "did not write" not in result.stderr and "warning:" not in result.stderr
+    hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
+    assert hint.startswith("hint: To check with the lock's pins: drop --bridge") and "--carry" not in hint
+    run(args + ["--check"], 0)  # the hint's route
+
+
+def test_check_with_another_upstream_names_it(args, tmp_path, fake_repos):
+    from backport.errors import CheckMismatch
+    from backport.output import _refuse_other_pins
+    from types import SimpleNamespace
+
+    run(args + ["--no-trees"], 0)
+    lock = json.loads((tmp_path / "out" / output.LOCK).read_text())
+    other = dict(lock["pins"], upstream=fake_repos.side)
+    with pytest.raises(CheckMismatch) as exc:
+        _refuse_other_pins(SimpleNamespace(manifest={"pins": other}), tmp_path / "out", lock)
+    assert exc.value.message.startswith(f"the pins of this check differ from {tmp_path / 'out' / output.LOCK}: "
+                                        f"upstream {fake_repos.upstream[:12]} in the lock, {fake_repos.side[:12]} "
+                                        "in this check (--upstream)")
+    assert exc.value.hint.startswith(f"To check with the lock's pins: pass --upstream {fake_repos.upstream[:12]} "
+                                     "(the lock's)")
