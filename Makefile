@@ -110,7 +110,7 @@ gpu-bundle: wheels  ## dist/gdn-gpu-bundle.tgz: repo, both trees, patch, wheels,
 gpu-suite:  ## On a host with one GPU or more (4 ranks share them): the GPU part of the regression suite -> results/raw/gpu-suite.
 	tools/gpu-suite
 
-gpu-training:  ## On a GPU host: the training tier's full matrix -> results/raw/training (docs/training.md).
+gpu-training:  ## On a GPU host: the training tier's full matrix -> results/raw/training (docs/training-tier-tests.md).
 	tools/gpu-training
 
 # ---- image (Dockerfile, docker-py) --------------------------------------------

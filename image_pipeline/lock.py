@@ -193,7 +193,7 @@ def canonical(name: str) -> str:
 
 
 #: Packages a flavour cannot hold at all (name -> why); never locked, and a requirement on one
-#: counts as met (the requiring package imports without it, or is named in docs/image.md).
+#: counts as met (the requiring package imports without it, or is named in docs/image-build-and-gate.md).
 UNAVAILABLE = {
     "cpu": {"torchvision": "PyPI's torchvision is built against CUDA torch and does not load with the cpu "
                            "torch (torchvision::nms missing), which breaks `import transformers`; the cpu "

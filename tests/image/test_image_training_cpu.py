@@ -10,7 +10,7 @@ TP=2 x CP=2 chunkwise THD and TP=2 x CP=2 headwise THD with sequence parallelism
 dynamic CP (one CP=4 world, micro-batches on CP 4/2/1 subgroups) chunkwise THD, 2 steps; the
 upgrade path (``training_suite.upgrade_runs``: a base-tree CP=1 checkpoint resumed by the patched
 tree at CP=1 and CP=4 chunkwise, a patched CP=1 checkpoint resumed by the base tree).
-Gated at the frozen gates of ``training_suite.GATES`` (docs/training.md). Results go to
+Gated at the frozen gates of ``training_suite.GATES`` (docs/training-tier-tests.md). Results go to
 ``build/training-cpu`` (ignored by git), never to tracked files.
 """
 
@@ -137,7 +137,7 @@ def test_resumes_across_cp_sizes_match_the_uninterrupted_run():
 
 
 def test_the_resume_meets_base_mcores_shared_adam_step():
-    """Problem 4 of docs/training.md is real in the tree under test: after the distributed
+    """Problem 4 of docs/training-tier-tests.md is real in the tree under test: after the distributed
     optimizer's load every parameter shared one Adam ``step`` tensor holding the dummy state's
     1 instead of the checkpoint's 2 (the workaround then gave each its own step 2: the resume
     test above passes only with it)."""
@@ -242,7 +242,7 @@ def test_upgrade_runs_import_the_tree_they_name_and_take_its_path():
 
 
 def test_the_base_tree_meets_the_shared_adam_step_too():
-    """Problem 4 of docs/training.md is base MCore's, not our patch's: the base tree's resume of
+    """Problem 4 of docs/training-tier-tests.md is base MCore's, not our patch's: the base tree's resume of
     a patched checkpoint finds the same shared Adam ``step`` tensor holding 1."""
     need_base_tree()
     _of("upgrade")
@@ -343,7 +343,7 @@ def test_base_tree_processes_get_the_base_tree_and_fla041_first(tmp_path, monkey
 
 
 def test_the_gates_in_force_are_the_ones_frozen_for_the_next_run():
-    """``GATES`` holds the second set (docs/training.md, frozen before the second GPU run), the
+    """``GATES`` holds the second set (docs/training-tier-tests.md, frozen before the second GPU run), the
     first run's set stays as ``GATES_RUN1``; a resume in another topology uses the very bands
     of the CP-vs-reference comparison, in both sets."""
     need_tree()

@@ -27,7 +27,7 @@ the TP=1 weights (``gdn_harness.set_weights``); sequence-parallel runs use
 :class:`SequenceParallelTorchNorm`. Dynamic-CP runs put each step's micro-batches on the CP 4,
 2 and 1 subgroups of one CP=4 world (:data:`DYNAMIC_SCHEDULE`).
 
-Base Megatron-Core problems worked around here (none is in our patch; ``docs/training.md``):
+Base Megatron-Core problems worked around here (none is in our patch; ``docs/training-tier-tests.md``):
 :func:`workaround_gloo_cuda_coalescing` (1), :func:`workaround_adam_state_before_load` (2),
 :func:`workaround_reshardable_load_without_no_grad` (3), :func:`workaround_adam_step_after_load` (4),
 :func:`workaround_gdn_out_norm_grad_over_tp` (6).
@@ -147,7 +147,7 @@ def micro_batch(step: int, index: int, layout: str) -> MicroBatch:
     the first two, a padding tail) or ``"thd_noempty"`` (the same documents and tail without
     the empty segment: the base tree passes ``cu_seqlens`` to FLA as given, and FLA 0.4.1's
     ``prepare_chunk_indices`` maps every chunk after an empty segment to the wrong sequence;
-    the upgrade runs use it, docs/training.md)."""
+    the upgrade runs use it, docs/training-tier-tests.md)."""
     if layout not in ("sbhd", "thd", "thd_noempty"):
         raise ValueError(f"micro_batch: unknown layout {layout!r} (sbhd, thd, thd_noempty)")
     gen = torch.Generator().manual_seed(1_000 * step + index)
@@ -410,7 +410,7 @@ def build_model(spec: RunSpec, device):
 
 
 # --------------------------------------------------------------------------------------
-# base Megatron-Core problems, worked around in test code (docs/training.md)
+# base Megatron-Core problems, worked around in test code (docs/training-tier-tests.md)
 # --------------------------------------------------------------------------------------
 
 
@@ -621,7 +621,7 @@ def without_psutil():
 
 @contextlib.contextmanager
 def workaround_nvrx_without_async_api():
-    """Base MCore x the image's packages (problem 5 of docs/training.md): ``torch_dist`` saves go
+    """Base MCore x the image's packages (problem 5 of docs/training-tier-tests.md): ``torch_dist`` saves go
     through nvidia-resiliency-ext's async writer whenever that package imports, and the image's
     locked nvidia-resiliency-ext 0.4.1 lacks ``get_write_results_queue``, which the pinned MCore's
     ``get_async_strategy`` imports: every ``dist_checkpointing.save`` then fails with
@@ -984,7 +984,7 @@ def train(rank: int, world: int, spec: RunSpec, device, ckpt_root: str, emulate:
 
 
 # --------------------------------------------------------------------------------------
-# comparisons against the frozen gates (docs/training.md)
+# comparisons against the frozen gates (docs/training-tier-tests.md)
 # --------------------------------------------------------------------------------------
 
 

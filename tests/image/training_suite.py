@@ -15,7 +15,7 @@ runs the real FLA kernels with every rank on the host's GPUs (gloo, FLA's CP all
 
 * ``runs/<name>.json``: the run's per-step table (loss, grad norm, valid tokens, finiteness,
   per-layer path checks), its spec, the workarounds it needed, elapsed seconds;
-* ``summary.json``: every comparison at the frozen gates of ``GATES`` (docs/training.md; the
+* ``summary.json``: every comparison at the frozen gates of ``GATES`` (docs/training-tier-tests.md; the
   first GPU run's are ``GATES_RUN1``):
   runs vs their CP=1 reference, resumes vs the uninterrupted run, the CP=1 spread the gates
   were derived from, expected errors; ``passed`` overall;
@@ -76,7 +76,7 @@ import training as T  # noqa: E402
 
 # The first GPU run's gates (2026-12-02, results/training/run1): frozen before any CP>1 result was
 # looked at, derived from the CPU's spread between equivalent CP=1 configurations
-# (docs/training.md). Kept for the record: the first and the second GPU job (results/training/run1,
+# (docs/training-tier-tests.md). Kept for the record: the first and the second GPU job (results/training/run1,
 # results/training/run2) were judged by them (78 of 81 passed, each).
 # Bands both sets share: k=1 and k<=5 of CP vs reference, and the same-topology resume
 _EARLY_BANDS = [
@@ -92,7 +92,7 @@ GATES_RUN1 = {
     ],
     "resume_same": _RESUME_SAME,
 }
-# In force: frozen in docs/training.md ("the gates for the next one") after the first GPU job
+# In force: frozen in docs/training-tier-tests.md ("the gates for the next one") after the first GPU job
 # and before the second, in the code from the third on: the early bands unchanged, the late
 # bands 3x the widest spread the first GPU run's equivalent CP=1 configurations showed. Bands
 # by k = steps since the last common state (step 0, or the checkpoint a resume loaded): a
@@ -111,7 +111,7 @@ GATES = {
 GATES["resume_other"] = GATES["cp_vs_ref"]
 GATES_RUN1["resume_other"] = GATES_RUN1["cp_vs_ref"]
 # The upgrade path (issue 25: base tree <-> patched tree), frozen 2026-12-03 before any GPU
-# run of it (docs/training.md, "The upgrade path"). Named by the third element of a compare.
+# run of it (docs/training-tier-tests.md, "The upgrade path"). Named by the third element of a compare.
 GATES.update({
     # CPU stand-ins: both trees run the same stand-in kernels at CP=1; measured bit for bit
     # (the resume_same gate)
@@ -121,7 +121,7 @@ GATES.update({
     # bands 3x the widest spread the GPU's equivalent CP=1 configurations showed), by name
     "upgrade_gpu": GATES["cp_vs_ref"],
 })
-GATES_IN_FORCE = ("second set: frozen in docs/training.md before the second GPU job, "
+GATES_IN_FORCE = ("second set: frozen in docs/training-tier-tests.md before the second GPU job, "
                   "in the code from the third")
 
 # "interpret": the real FLA 0.4.2 kernels on CPU under Triton's interpreter (``--device
@@ -227,7 +227,7 @@ def upgrade_runs(tier: str) -> List[dict]:
 
     Layout ``thd_noempty`` (THD without the empty segment): the base tree hands ``cu_seqlens``
     to FLA as given, and FLA 0.4.1's ``prepare_chunk_indices`` maps every chunk after an empty
-    segment to the wrong sequence (docs/training.md). Gates: ``upgrade_cpu`` / ``upgrade_gpu``
+    segment to the wrong sequence (docs/training-tier-tests.md). Gates: ``upgrade_cpu`` / ``upgrade_gpu``
     for the same topology on the other tree; the CP=4 resume is another topology as well:
     ``cp_vs_ref`` on CPU, ``upgrade_gpu`` (the wider of the two) on the GPU."""
     steps, save_at = TIERS[tier]["steps"], TIERS[tier]["save_at"]
@@ -548,7 +548,7 @@ def tables(summary: dict) -> str:
     out = [f"# Training tier summary ({summary.get('tier')}, {summary.get('device')}): "
            f"{'passed' if summary['passed'] else 'FAILED: ' + ', '.join(summary['failed'])}\n",
            "Worst relative difference loss / grad norm per band of k = steps since the common "
-           "state (gates: docs/training.md; in force: "
+           "state (gates: docs/training-tier-tests.md; in force: "
            f"{summary.get('gates_in_force', GATES_IN_FORCE)}).\n"]
     for title, kinds in (("Runs vs CP=1 reference", ("cp_vs_ref",)),
                          ("Equivalent CP=1 configurations (the gates' basis, not gated)", ("spread",)),

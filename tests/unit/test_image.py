@@ -851,11 +851,11 @@ def test_a_failed_make_target_prints_and_records_the_tools_exit_code(tmp_path):
 
 
 def test_docs_quote_the_recorded_gate():
-    """docs/image.md's figure of the suite in the image is the committed gate report's."""
+    """docs/image-build-and-gate.md's figure of the suite in the image is the committed gate report's."""
     import re
 
     suite = json.loads((REPO / "results" / "pipeline" / "gate-report.json").read_text())["suite"]
-    text = " ".join((REPO / "docs" / "image.md").read_text().split())
+    text = " ".join((REPO / "docs" / "image-build-and-gate.md").read_text().split())
     m = re.search(r"suite inside the image, as last recorded: (\d+) passed in (\d+) s", text)
-    assert m, "docs/image.md lost its gate figure"
+    assert m, "docs/image-build-and-gate.md lost its gate figure"
     assert (int(m.group(1)), int(m.group(2))) == (suite["passed"], round(suite["seconds"]))
