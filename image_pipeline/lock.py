@@ -25,7 +25,9 @@ The FLA axis (:data:`FLA_SETS`): the default set is FLA 0.4.2 / triton 3.6.0 (th
 triton >= 3.4.0, < 3.7.1 (FLA issue #640), and the base's torch 2.10 declares triton==3.6.0, so
 that set locks torch 2.12.1 (which declares triton==3.7.1), torchvision and torch's CUDA runtime
 wheels as well; they shadow the base's in the venv (:attr:`Target.own_torch`). The requirement
-lines of the FLA axis in requirements.in are replaced by the set's pins (:func:`requirements_for`).
+lines of the FLA axis in requirements.in are replaced by the set's pins (:func:`requirements_for`),
+and every other package is held at the default cuda lock's version unless torch 2.12.1 refuses it
+(:func:`held_pins`), so the two cuda images differ in the FLA axis and torch's closure only.
 
 Resolution runs pip's resolver (``install --dry-run --report``) on an interpreter of the
 target's Python version, because pip evaluates environment markers (``python_version >=
@@ -78,7 +80,7 @@ class FlaSet:
 FLA_SETS = {
     "0.4.2": FlaSet("0.4.2", "3.6.0", "triton 3.9 breaks `import fla` 0.4.2; 3.6.0 works"),
     "0.5.2": FlaSet("0.5.2", "3.7.1", "FLA 0.5.x refuses its gated backward on Hopper with triton >= 3.4.0, "
-                                      "< 3.7.1 (FLA #640)"),
+                                      "< 3.7.1: FLA issue #640"),
 }
 #: The requirement names the FLA axis replaces in requirements.in.
 FLA_AXIS = ("flash-linear-attention", "fla-core", "triton")
@@ -180,10 +182,12 @@ _HEADER = """\
 {own_torch}# The Dockerfile installs this file with `pip install --require-hashes`.
 """
 _OWN_TORCH_NOTE = """\
-# FLA {fla} set: requirements.in's FLA lines replaced by flash-linear-attention/fla-core=={fla} and
-# triton=={triton} ({why}). The base's torch declares another triton, so this lock
-# holds {torch} (it declares triton=={triton}), torchvision and torch's CUDA runtime wheels; in the
-# venv they shadow the base's. The base's Transformer Engine is built for the base's torch.
+# FLA {fla} set: flash-linear-attention and fla-core {fla}, triton {triton}, in place of the FLA
+# lines of requirements.in ({why}).
+# The base's torch declares another triton, so this lock holds {torch} (it declares
+# triton=={triton}), torchvision and torch's CUDA runtime wheels; in the venv they shadow the base's.
+# The base's Transformer Engine is built for the base's torch. Every other package is held at
+# docker/requirements-{flavour}.lock's version where torch accepts it.
 """
 
 
@@ -271,7 +275,8 @@ def render_lock(entries: Iterable[LockEntry], target: Optional[Target] = None) -
     own = ""
     if target.own_torch:
         fla_set = FLA_SETS[target.fla]
-        own = _OWN_TORCH_NOTE.format(fla=target.fla, triton=fla_set.triton, why=fla_set.why, torch=target.torch)
+        own = _OWN_TORCH_NOTE.format(fla=target.fla, triton=fla_set.triton, why=fla_set.why, torch=target.torch,
+                                     flavour=target.flavour)
     fla_flag = "" if target.fla == DEFAULT_FLA else f" --fla {target.fla}"
     out = [_HEADER.format(flavour=target.flavour, fla_flag=fla_flag, python=target.python,
                           glibc=".".join(map(str, target.glibc)), base=target.base, provided=", ".join(provided),
@@ -374,16 +379,61 @@ def requirements_for(requirements_in: Path, target: Target) -> list[str]:
                    f"triton=={fla_set.triton}"]
 
 
+def held_pins(default_lock: dict[str, LockEntry], target: Target, torch_requires: Iterable[str]) -> list[str]:
+    """``name==version`` constraints that hold a non-default FLA set's lock at the default lock's
+    versions: every pin of ``default_lock`` but the FLA axis, torch, torchvision, what the
+    default target takes from the base, and a pin the target's torch does not accept
+    (``torch_requires``: its ``Requires-Dist``, markers evaluated for the target)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    refused: dict[str, list] = {}
+    for text in torch_requires:
+        req = Requirement(text)
+        if req.marker and not req.marker.evaluate(target.environment):
+            continue
+        refused.setdefault(canonical(req.name), []).append(req.specifier)
+    default = TARGETS[target.flavour]
+    out = []
+    for name, entry in sorted(default_lock.items()):
+        if name in FLA_AXIS or name in _OWN_TORCH_LOCKS or base_provided(default, name):
+            continue
+        if any(not spec.contains(Version(entry.version), prereleases=True) for spec in refused.get(name, [])):
+            continue
+        out.append(f"{name}=={entry.version}")
+    return out
+
+
+def _torch_requires(python: str, target: Target, work: Path) -> list[str]:
+    """``Requires-Dist`` of the target's torch (pip's metadata of it, nothing installed)."""
+    report = work / "torch-report.json"
+    _pip(python, ["install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet", "--report", str(report),
+                  "--target", str(work / "torch-target"), *_target_flags(target), target.torch])
+    items = json.loads(report.read_text(encoding="utf-8")).get("install", [])
+    return list(items[0]["metadata"].get("requires_dist") or []) if items else []
+
+
 def resolve(requirements_in: Path, target: Target, work: Path, torch_wheel: Optional[Path] = None) -> dict:
-    """Resolve the inputs for ``target`` on an interpreter of its Python; returns the entries."""
+    """Resolve the inputs for ``target`` on an interpreter of its Python; returns the entries.
+
+    A non-default FLA set is resolved with the default lock of its flavour as constraints
+    (:func:`held_pins`), so the two images differ in the FLA axis and torch's closure only.
+    """
     python = find_python(target.python)
     torch = str(torch_wheel) if target.flavour == "cpu" else target.torch
     report = work / "report.json"
     reqs = work / "requirements.txt"
     reqs.write_text("".join(f"{line}\n" for line in requirements_for(requirements_in, target)), encoding="utf-8")
+    constraints = []
+    if target.fla != DEFAULT_FLA:
+        default_lock = requirements_in.parent / f"requirements-{TARGETS[target.flavour].key}.lock"
+        held = held_pins(parse_lock(default_lock.read_text(encoding="utf-8")), target,
+                         _torch_requires(python, target, work))
+        (work / "held.txt").write_text("".join(f"{line}\n" for line in held), encoding="utf-8")
+        constraints = ["-c", str(work / "held.txt")]
     _pip(python, ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
                   "--target", str(work / "target"), "--find-links", str(_sdist_wheels(python, work)),
-                  *_target_flags(target), "-r", str(reqs), torch])
+                  *_target_flags(target), "-r", str(reqs), *constraints, torch])
     return parse_report(json.loads(report.read_text(encoding="utf-8")), target)
 
 

@@ -92,8 +92,8 @@ def check_fla_version(version: Optional[str] = None) -> str:
             f"Megatron tree support FLA {' and '.join(SUPPORTED_FLA_VERSIONS)} only (FLA changed "
             "chunk_gated_delta_rule's parameters between releases). Install one of them: "
             "`pip install flash-linear-attention==0.4.2 fla-core==0.4.2 triton==3.6.0`, or "
-            "`pip install flash-linear-attention==0.5.2 fla-core==0.5.2 triton==3.7.1` with a torch "
-            "that declares that triton (torch 2.12.1)."
+            "`pip install flash-linear-attention==0.5.2 fla-core==0.5.2 triton==3.7.1` "
+            "with a torch that declares that triton (torch 2.12.1)."
         )
     return found
 

@@ -306,7 +306,7 @@ def gdn_init_check_linear_cp(text: str, path: str = "gated_delta_net.py") -> Res
 
 
 GDN_FLA_VERSION_CHECK = '''
-# FLA moved chunk_gated_delta_rule's parameters between releases: refuse an untested one by name.
+# FLA moved chunk_gated_delta_rule's parameters between releases: refuse others by name.
 gdn_context_parallel.check_fla_version()
 '''
 

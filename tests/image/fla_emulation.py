@@ -11,6 +11,12 @@ same arguments and honour the same contract, computed by the independent eager o
 * ``chunk_gated_delta_rule(q, k, v, g, beta, ..., cu_seqlens, cp_context=...)`` -> ``(o, None)``.
 * ``l2norm(x)``.
 
+The conv and the scan take only the parameters FLA 0.4.2 and 0.5.2 both accept, and those
+that moved in 0.5.1 (everything past ``beta`` / ``bias``) by keyword only; a call that passes
+one positionally, or a keyword only one release knows (``transpose_state_layout``,
+``state_v_first``, ``head_first``), fails here with a ``TypeError`` (docs/fla-versions.md).
+The numbers come from the eager oracle, not from either release's kernels.
+
 With a context, the local shard is all-gathered (autograd-aware: backward all-reduces the
 full-sequence gradient and keeps this rank's span), the op runs on the whole packed
 sequence and the rank's contiguous span is returned. This emulates what FLA's CP kernels
@@ -81,14 +87,16 @@ def causal_conv1d(
     x,
     weight=None,
     bias=None,
+    *,
     residual=None,
     initial_state=None,
     output_final_state=False,
     activation=None,
     backend=None,
     cu_seqlens=None,
+    cu_seqlens_cpu=None,
+    chunk_indices=None,
     cp_context=None,
-    **kwargs,
 ):
     assert residual is None and initial_state is None and not output_final_state
     if cp_context is None:
@@ -107,13 +115,14 @@ def chunk_gated_delta_rule(
     v,
     g,
     beta,
+    *,
     scale=None,
     initial_state=None,
     output_final_state=False,
     use_qk_l2norm_in_kernel=False,
     cu_seqlens=None,
+    cu_seqlens_cpu=None,
     cp_context=None,
-    **kwargs,
 ):
     assert initial_state is None and not output_final_state
     if use_qk_l2norm_in_kernel:
@@ -127,7 +136,8 @@ def chunk_gated_delta_rule(
     return o[:, _span(cp_context, local)].to(v.dtype), None
 
 
-def l2norm(x, eps=1e-6, **kwargs):
+def l2norm(x, eps=1e-6, output_dtype=None):
+    assert output_dtype is None
     return ref.l2norm(x, eps)
 
 
