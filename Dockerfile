@@ -6,7 +6,8 @@
 # Build context (staged by image_pipeline/build.py into build/image/context-<flavour>/):
 #   Dockerfile
 #   deps/requirements.lock   hash-pinned Python packages of the flavour
-#                            (docker/requirements-cpu.lock or docker/requirements-cuda.lock)
+#                            (docker/requirements-cpu.lock or docker/requirements-cuda.lock,
+#                            docker/requirements-cuda-fla052.lock with --fla 0.5.2)
 #   deps/torch-cpu.lock      hash-pinned cpu torch wheel (cpu flavour only)
 #   deps/wheels/             the cpu torch wheel (cpu flavour), else empty
 #   deps/install-deps.sh     makes /opt/gdn/venv

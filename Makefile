@@ -40,13 +40,10 @@ release: venv  ## New dated patch + lock (DATE=YYYY-MM-DD, default today UTC); s
 
 # The cuda images cannot be built here (their NGC base cannot be pulled): prove each cuda lock
 # installs for Python 3.12 manylinux x86_64 (pip resolver dry run, hashes required) and covers
-# Bridge's declared deps; the default FLA 0.4.2 set and the FLA 0.5.2 set, side by side.
-.PHONY: check-locks check-lock-fla042 check-lock-fla052
+# Bridge's declared deps: the default FLA 0.4.2 set and the FLA 0.5.2 set, in one command.
+.PHONY: check-locks
 check-locks: venv  ## Both cuda locks (FLA 0.4.2 default, FLA 0.5.2) resolve (pip dry run; needs PyPI).
-	@$(MAKE) --no-print-directory -j2 check-lock-fla042 check-lock-fla052
-
-check-lock-fla042 check-lock-fla052: check-lock-fla%:
-	@$(call tool,$(PY) tools/image check-lock --flavour cuda --fla $(if $(filter 052,$*),0.5.2,0.4.2))
+	@$(call tool,$(PY) tools/image check-lock --flavour cuda --fla all)
 
 check-patch: venv  ## Regenerate with the lock's date and compare with the files on disk (the lock alone in a fresh clone).
 	@$(call tool,$(PY) tools/backport --check --python $(abspath $(PY)))

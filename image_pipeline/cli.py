@@ -29,7 +29,7 @@ from .errors import PULL_FAILED_HINT, BaseImageMissing, InputError
 from .gate import cases_path, cases_record, require_gate_ok, run_gate, suite_digest, write_json
 from .inputs import (CPU_BASE_IMAGE, CPU_TORCH_WHEEL, FLAVOURS, REPO_ROOT, Inputs, flavour_lock, preflight,
                      read_tree_lock)
-from .lock import DEFAULT_FLA, FLA_SETS, target_for
+from .lock import DEFAULT_FLA, FLA_SETS, FLA_TARGETS, target_for
 
 try:
     from rich.console import Console
@@ -266,7 +266,9 @@ def lock(flavour, fla, torch_wheel):
 
 @cli.command("check-lock")
 @click.option("--flavour", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
-@_fla_option("FLA set whose lock to check (0.5.2: docker/requirements-cuda-fla052.lock, cuda only).")
+@click.option("--fla", type=click.Choice([*sorted(FLA_SETS), "all"]), default=DEFAULT_FLA, show_default=True,
+              help="FLA set whose lock to check (0.5.2: docker/requirements-cuda-fla052.lock, cuda only); "
+                   "all: every lock of the flavour, sharing one dry run of the pins they hold alike.")
 @click.option("--lock", "lock_path", type=click.Path(exists=True), default=None,
               help="Lock to check [docker/requirements-<flavour>.lock, or -cuda-fla052 with --fla 0.5.2].")
 def check_lock(flavour, fla, lock_path):
@@ -274,21 +276,30 @@ def check_lock(flavour, fla, lock_path):
 
     pip's dry run with --require-hashes --no-deps for the target (cuda: CPython 3.12,
     manylinux x86_64 up to glibc 2.39), then every declared dependency of every pin, markers
-    evaluated for the target, must be met by a pin or by what the base provides.
+    evaluated for the target, must be met by a pin or by what the base provides, and the lock
+    must hold its FLA set. With --fla all (cuda: the 0.4.2 and 0.5.2 locks) the second lock
+    dry-runs only the pins the first does not hold alike (its FLA set and torch's closure).
     """
-    from .lock import check_lock as run_check
+    from .lock import check_locks
 
-    target = target_for(flavour, fla)
-    path = Path(lock_path) if lock_path else flavour_lock(flavour, fla)
-    if not path.is_file():
-        raise InputError(f"the {flavour} lock for FLA {fla} is missing: {path}",
-                         hint=f"Make it with `tools/image lock --flavour {flavour} --fla {fla}` (needs PyPI) and "
-                              "commit it, or restore it with `git checkout -- docker/`.")
-    result = run_check(path, target, Inputs().docker_dir / "requirements.in")
-    say(f"==> [check-lock] {path.name} (FLA {result['fla']}, triton {result['triton']}): "
-        f"{result['packages']} packages install on CPython {result['python']} "
-        f"({result['platforms']}) with their hashes; every declared dependency is met", "bold green")
-    click.echo(json.dumps(result, sort_keys=True))
+    if fla == "all":
+        if lock_path:
+            raise click.UsageError("--lock names one lock; --fla all checks every lock of the flavour")
+        versions = [DEFAULT_FLA] + [v for (f, v) in sorted(FLA_TARGETS) if f == flavour]
+    else:
+        versions = [fla]
+    checks = [(Path(lock_path) if lock_path else flavour_lock(flavour, v), target_for(flavour, v)) for v in versions]
+    for (path, _target), v in zip(checks, versions):
+        if not path.is_file():
+            raise InputError(f"the {flavour} lock for FLA {v} is missing: {path}",
+                             hint=f"Make it with `tools/image lock --flavour {flavour} --fla {v}` (needs PyPI) and "
+                                  "commit it, or restore it with `git checkout -- docker/`.")
+    for (path, _target), result in zip(checks, check_locks(checks, Inputs().docker_dir / "requirements.in")):
+        shared = f"; {result['shared']} pins shared with the first lock's dry run" if result.get("shared") else ""
+        say(f"==> [check-lock] {path.name} (FLA {result['fla']}, triton {result['triton']}): "
+            f"{result['packages']} packages install on CPython {result['python']} "
+            f"({result['platforms']}) with their hashes; every declared dependency is met{shared}", "bold green")
+        click.echo(json.dumps(result, sort_keys=True))
 
 
 @cli.command()

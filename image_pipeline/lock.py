@@ -546,18 +546,8 @@ def requested_requirements(requirements_in: Path) -> list[str]:
     return out
 
 
-def check_lock(lock_path: Path, target: Target, requirements_in: Optional[Path] = None,
-               python: Optional[str] = None) -> dict:
-    """Prove that ``lock_path`` installs for ``target`` without installing it (CI).
-
-    1. pip's dry run, ``--no-deps --require-hashes`` for the target's Python and platform: every
-       pin has a file for it whose sha256 the lock lists.
-    2. :func:`unmet_requirements` on pip's report: the lock plus the base is a closed set.
-
-    Returns ``{"flavour", "packages", "python", "platforms", "unmet"}``; raises
-    :class:`ImageError` when pip refuses the lock or a requirement is unmet.
-    """
-    python = python or sys.executable
+def _dry_run(lock_path: Path, target: Target, python: str) -> dict:
+    """pip's report of a ``--no-deps --require-hashes`` dry run of ``lock_path`` for ``target``."""
     with tempfile.TemporaryDirectory(prefix="gdn-lock-check-") as tmp:
         report = Path(tmp) / "report.json"
         # --ignore-requires-python: pip checks Requires-Python against the interpreter it runs on,
@@ -566,7 +556,11 @@ def check_lock(lock_path: Path, target: Target, requirements_in: Optional[Path] 
                       "--ignore-requires-python",
                       "--report", str(report), "--target", str(Path(tmp) / "target"),
                       *_target_flags(target, only_binary=False), "-r", str(lock_path)])
-        data = json.loads(report.read_text(encoding="utf-8"))
+        return json.loads(report.read_text(encoding="utf-8"))
+
+
+def _verify(data: dict, lock_path: Path, target: Target, requirements_in: Optional[Path], **extra) -> dict:
+    """The closure and FLA-set checks of :func:`check_lock` on pip's report ``data``."""
     requested = requirements_for(requirements_in, target) if requirements_in else []
     unmet = unmet_requirements(data, target, requested)
     pins = {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in data.get("install", [])}
@@ -579,10 +573,64 @@ def check_lock(lock_path: Path, target: Target, requirements_in: Optional[Path] 
                          "then check again.")
     result = {"flavour": target.flavour, "fla": target.fla, "triton": target.triton,
               "packages": len(data.get("install", [])), "python": target.python,
-              "platforms": f"{target.platforms[0]} .. {target.platforms[-1]}", "unmet": unmet}
+              "platforms": f"{target.platforms[0]} .. {target.platforms[-1]}", "unmet": unmet, **extra}
     if unmet:
         raise ImageError(f"lock {lock_path} is not a closed set for {target.flavour} (CPython {target.python}):\n"
                          + "\n".join(f"  {u}" for u in unmet),
                          f"Regenerate it with `tools/image lock --flavour {target.flavour} --fla {target.fla}`, "
                          "then check again.")
     return result
+
+
+def check_lock(lock_path: Path, target: Target, requirements_in: Optional[Path] = None,
+               python: Optional[str] = None) -> dict:
+    """Prove that ``lock_path`` installs for ``target`` without installing it (CI).
+
+    1. pip's dry run, ``--no-deps --require-hashes`` for the target's Python and platform: every
+       pin has a file for it whose sha256 the lock lists.
+    2. :func:`unmet_requirements` on pip's report: the lock plus the base is a closed set; the
+       lock holds the target's FLA set (flash-linear-attention, fla-core, triton).
+
+    Returns ``{"flavour", "fla", "triton", "packages", "python", "platforms", "unmet"}``; raises
+    :class:`ImageError` when pip refuses the lock, a requirement is unmet or the FLA set differs.
+    """
+    return _verify(_dry_run(lock_path, target, python or sys.executable), lock_path, target, requirements_in)
+
+
+def shared_pins(lock: dict[str, LockEntry], other: dict[str, LockEntry]) -> set[str]:
+    """Names pinned in both locks at the same version with the same set of file hashes."""
+    return {n for n, e in lock.items() if n in other and other[n].version == e.version and other[n].hashes == e.hashes}
+
+
+def check_locks(checks: list[tuple[Path, Target]], requirements_in: Optional[Path] = None,
+                python: Optional[str] = None) -> list[dict]:
+    """:func:`check_lock` for several locks of one Python and platform (the cuda FLA sets), with
+    one full dry run: the first lock's; each other lock dry-runs only its pins that the first
+    lock does not hold identically (same version, same hashes), and its closure check reads the
+    first report for the rest. pip's result for an identical pin on the same target is the same,
+    so this proves what separate runs would, downloading the shared files once.
+
+    Returns one result per lock (with ``"shared"``: pins taken from the first report).
+    """
+    python = python or sys.executable
+    (first_path, first), rest = checks[0], checks[1:]
+    for _path, target in rest:
+        if (target.python, target.platforms) != (first.python, first.platforms):
+            raise ImageError(f"check-lock: {target.key} and {first.key} have other Pythons or platforms",
+                             "Check them one at a time (`tools/image check-lock --flavour F --fla V`).")
+    first_data = _dry_run(first_path, first, python)
+    results = [_verify(first_data, first_path, first, requirements_in, shared=0)]
+    by_name = {canonical(i["metadata"]["name"]): i for i in first_data.get("install", [])}
+    first_lock = parse_lock(first_path.read_text(encoding="utf-8"))
+    for path, target in rest:
+        lock = parse_lock(path.read_text(encoding="utf-8"))
+        shared = shared_pins(lock, first_lock)
+        own = [e for n, e in lock.items() if n not in shared]
+        items = [by_name[n] for n in sorted(shared)]
+        if own:
+            with tempfile.TemporaryDirectory(prefix="gdn-lock-own-") as tmp:
+                own_path = Path(tmp) / path.name
+                own_path.write_text(render_lock(own, target), encoding="utf-8")
+                items += _dry_run(own_path, target, python).get("install", [])
+        results.append(_verify({"install": items}, path, target, requirements_in, shared=len(shared)))
+    return results

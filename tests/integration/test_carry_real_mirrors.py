@@ -60,8 +60,8 @@ def _carry(tmp: Path, edit, path: str = GDN) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("carry-cache")
+def cache(real_cache):
+    return real_cache
 
 
 def _build(cache: Path, carry: Path):

@@ -106,8 +106,8 @@ def _copy(base: Path, dest: Path, paths) -> None:
         shutil.copy2(base / rel, dest / rel)
 
 
-def test_a_real_sized_hand_edited_downstream_patch_carries_like_git_apply(tmp_path):
-    cache = tmp_path / "cache"
+def test_a_real_sized_hand_edited_downstream_patch_carries_like_git_apply(tmp_path, real_cache):
+    cache = real_cache
     plain_build = engine.build(options.Options(recipe=RECIPE, megatron_lm=MLM, megatron_bridge=BRIDGE,
                                                cache_dir=cache, date="20261130", import_check=False))
     base = plain_build.base_tree

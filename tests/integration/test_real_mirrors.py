@@ -40,9 +40,9 @@ HAVE_FLA = importlib.util.find_spec("fla") is not None and importlib.util.find_s
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory):
+def build(real_cache):
     opts = options.Options(recipe=RECIPE, megatron_lm=MLM, megatron_bridge=BRIDGE,
-                          cache_dir=tmp_path_factory.mktemp("cache"), date="20261129",
+                          cache_dir=real_cache, date="20261129",
                           import_check=HAVE_FLA, python=sys.executable)
     return engine.build(opts)
 

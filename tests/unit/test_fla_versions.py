@@ -261,3 +261,37 @@ def test_held_pins_keep_the_default_versions_except_the_axis_torch_and_what_torc
                       "accelerate<1; platform_system == \"Windows\""]  # a marker false for the target
     held = held_pins(default, target_for("cuda", "0.5.2"), torch_requires)
     assert held == ["accelerate==1.15.0", "nvidia-cutlass-dsl-libs-cu13==4.8.1", "sympy==1.14.0"]
+
+
+def _fake_item(entry):
+    return {"metadata": {"name": entry.name, "version": entry.version, "requires_dist": []}}
+
+
+def test_check_locks_dry_runs_only_the_pins_the_second_lock_does_not_share(tmp_path, monkeypatch):
+    from image_pipeline import lock as L
+
+    default = [LockEntry("flash-linear-attention", "0.4.2", {"1" * 64}), LockEntry("fla-core", "0.4.2", {"2" * 64}),
+               LockEntry("triton", "3.6.0", {"3" * 64}), LockEntry("einops", "0.8.2", {"4" * 64}),
+               LockEntry("numpy", "2.3.5", {"5" * 64})]
+    fla052 = [LockEntry("flash-linear-attention", "0.5.2", {"6" * 64}), LockEntry("fla-core", "0.5.2", {"7" * 64}),
+              LockEntry("triton", "3.7.1", {"8" * 64}), LockEntry("einops", "0.8.2", {"4" * 64}),
+              LockEntry("numpy", "2.3.5", {"9" * 64})]  # same version, other hashes: not shared
+    first, second = tmp_path / "requirements-cuda.lock", tmp_path / "requirements-cuda-fla052.lock"
+    first.write_text(render_lock(default, TARGETS["cuda"]))
+    second.write_text(render_lock(fla052, target_for("cuda", "0.5.2")))
+    runs = []
+
+    def fake_dry_run(path, target, python):
+        entries = parse_lock(path.read_text())
+        runs.append(sorted(entries))
+        return {"install": [_fake_item(e) for e in entries.values()]}
+
+    monkeypatch.setattr(L, "_dry_run", fake_dry_run)
+    results = L.check_locks([(first, TARGETS["cuda"]), (second, target_for("cuda", "0.5.2"))])
+    assert runs[0] == ["einops", "fla-core", "flash-linear-attention", "numpy", "triton"]
+    assert runs[1] == ["fla-core", "flash-linear-attention", "numpy", "triton"]  # einops from the first report
+    assert [(r["fla"], r["packages"], r["shared"]) for r in results] == [("0.4.2", 5, 0), ("0.5.2", 5, 1)]
+    second.write_text(render_lock(fla052[:2] + [LockEntry("triton", "3.6.0", {"3" * 64})] + fla052[3:],
+                                  target_for("cuda", "0.5.2")))
+    with pytest.raises(Exception, match=r"does not hold the FLA 0.5.2 set: triton==3.6.0"):
+        L.check_locks([(first, TARGETS["cuda"]), (second, target_for("cuda", "0.5.2"))])
