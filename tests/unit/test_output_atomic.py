@@ -2,7 +2,7 @@
 
 Two real builds of the fake recipe (``A``: 2026-01-02; ``B``: another date, and ``C``: the
 same date with a carried patch, so every output keeps its name and changes its bytes) are
-written over each other by a child process that kills itself after step ``k`` of
+written over each other by a forked child process that kills itself after step ``k`` of
 :func:`backport.output.write`, for every ``k``. After each kill:
 
 * before recovery: ``manifests/lock.json`` is whole and is the old or the new lock; when it
@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
-import sys
-import textwrap
+import traceback
+import types
 from pathlib import Path
 
 import pytest
@@ -36,28 +37,6 @@ from conftest import STUB_PYTHON, recipe_data, write_recipe
 
 pytestmark = pytest.mark.usefixtures("engine_env")
 REPO = Path(__file__).resolve().parents[2]
-
-CHILD = textwrap.dedent("""
-    import json, os, signal, sys, types
-    from pathlib import Path
-    sys.path.insert(0, sys.argv[1])
-    from backport import output
-    spec = json.loads(Path(sys.argv[2]).read_text(encoding="utf-8"))
-    root, mode, kill_at = Path(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-    count = 0
-    def hook(name):
-        global count
-        count += 1
-        if count == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-    if mode == "write":
-        b = types.SimpleNamespace(patch=Path(spec["patch"]).read_bytes(), manifest=spec["manifest"],
-                                  base_tree=Path(spec["base_tree"]))
-        output.write(b, root, trees=True, on_step=hook)
-    else:
-        output.recover(root, on_step=hook)
-""")
-
 
 def _spec(tmp: Path, name: str, b) -> Path:
     (tmp / f"{name}.patch").write_bytes(b.patch)
@@ -103,10 +82,37 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 
 def _child(root: Path, spec: Path, mode: str, kill_at: int) -> int:
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(REPO), str(spec), str(root), mode, str(kill_at)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode in (0, -9), proc.stderr
-    return proc.returncode
+    """Run ``output.write`` (mode "write") or ``output.recover`` in a forked child that SIGKILLs
+    itself right after its step ``kill_at``: it dies as a killed tool would (no ``finally``, no
+    atexit). Returns the child's status: 0 (it finished first) or -9. A fork, not a new
+    interpreter: the child needs no imports, and the kill points are many."""
+    data = json.loads(Path(spec).read_text(encoding="utf-8"))
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            count = [0]
+
+            def hook(_name):
+                count[0] += 1
+                if count[0] == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            if mode == "write":
+                b = types.SimpleNamespace(patch=Path(data["patch"]).read_bytes(), manifest=data["manifest"],
+                                          base_tree=Path(data["base_tree"]))
+                output.write(b, root, trees=True, on_step=hook)
+            else:
+                output.recover(root, on_step=hook)
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported by the parent's assertion
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    assert rc in (0, -9), f"the {mode} child exited {rc} (its traceback is above)"
+    return rc
 
 
 def _held(root: Path, old: dict, new: dict) -> str:
