@@ -596,6 +596,7 @@ def check(build, root: Path, warn: Callable[[str], None] = _stderr) -> dict[str,
         OutputLinkError: an output path, or a folder on the way to one, is a symbolic link.
     """
     refuse_links(root, list(rendered(build)) + list(TREES) + list(FIXED_PATHS))
+    refuse_nothing_to_check(root)
     disk_lock = _json_on_disk(root / LOCK)
     _refuse_other_pins(build, root, disk_lock)
     build, unchecked = _adopt_skipped(build, root, warn)
@@ -647,6 +648,22 @@ def check(build, root: Path, warn: Callable[[str], None] = _stderr) -> dict[str,
         raise CheckMismatch("outputs on disk differ from a fresh run: " + ", ".join(diffs),
                             hint=_mismatch_hint(build, root))
     return report
+
+
+def refuse_nothing_to_check(root: Path) -> None:
+    """Refuse ``--check`` of a folder that holds no output at all (no lock, no patch, manifest or
+    tree): the user named the wrong ``--out`` (or a clone lost its lock); the CLI calls it before
+    the build, :func:`check` again.
+
+    Raises:
+        CheckMismatch: naming ``root``.
+    """
+    fixed = (LOCK, "patches/megatron", "patches/latest/megatron.patch", "patches/latest/manifest.json",
+             "patches/latest/manifest.md", *TREES)
+    if not any(_exists(root / rel) for rel in fixed):
+        raise CheckMismatch(f"nothing to check in {root}: there is no {LOCK} and no output there",
+                            hint=f"Pass --out the folder that holds the outputs, or write them first (`tools/backport "
+                                 f"--out {root}`); in a clone of the repository, `git checkout {LOCK}`.")
 
 
 #: The flag that sets each pin of the lock (the rest follow from them or from the recipe).
@@ -754,6 +771,9 @@ def _json_on_disk(path: Path) -> dict:
 def _mismatch_hint(build, root: Path) -> "str | None":
     """A hint naming the usual causes, a carry or date mismatch, or outputs written by a run that
     skipped a check; None keeps the class's."""
+    if not _exists(root / LOCK):
+        return (f"{LOCK} is missing from {root} (the other outputs are there): restore it (`git checkout {LOCK}`) "
+                "and --check again, or write it with a plain run (`tools/backport`).")
     latest = _json_on_disk(root / "patches/latest/manifest.json")
     skipped_there = skipped_checks(latest)
     if skipped_there:

@@ -16,6 +16,7 @@ its source (a local mirror) instead.
 
 from __future__ import annotations
 
+import configparser
 import hashlib
 import io
 import os
@@ -314,6 +315,8 @@ def open_source(
     say = progress or (lambda _msg: None)
     with locks.hold(cache.with_name(cache.name + ".lock"), f"the {name} cache {cache}"):
         cold = False
+        if os.path.lexists(cache):  # an entry that is there must open; else it is damage, not "no cache"
+            _open_cache(name, cache, location, offline)
         if (cache / "HEAD").exists() and is_shallow(cache):
             if offline:
                 raise SourceError(f"{name}: the cache {cache} holds shallow history and --offline was given.",
@@ -341,10 +344,7 @@ def open_source(
                 raise _shallow_error(name, location)
             os.rename(tmp, cache)
             cold = True
-        try:
-            repo = git.Repo(cache)
-        except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
-            raise _unreadable_cache(name, cache, location, offline) from exc
+        repo = _open_cache(name, cache, location, offline)
         isolate_gitpython(repo)
         # Every run, warm or cold: a damaged entry is named, never used (nor fetched into) silently.
         damage = cache_damage(repo)
@@ -361,8 +361,11 @@ def open_source(
             say(f"{name}: using the cache {cache} (source {location}; it has every pinned commit)")
         if missing:
             if offline:
-                raise SourceError(f"{name}: cache lacks {', '.join(missing)} and --offline was given.",
-                                  hint="Run without --offline so the cache can fetch.")
+                origin = _origin(repo)
+                other = (f" (the entry was cloned from {origin}, not from {location}: if that is another repository, "
+                         f"delete it, `rm -rf {cache}`)" if origin and origin != location else "")
+                raise SourceError(f"{name}: the cache {cache} lacks {', '.join(missing)} and --offline was given.",
+                                  hint=f"Run without --offline so the cache can fetch from {location}{other}.")
             if local and is_shallow(location):
                 raise _shallow_error(name, location)
             say(f"fetching {name} from {location} (missing {', '.join(m[:12] for m in missing)})")
@@ -382,13 +385,39 @@ def open_source(
     return source
 
 
+def _open_cache(name: str, cache: Path, location: str, offline: bool) -> git.Repo:
+    """The cache entry ``cache`` opened with GitPython.
+
+    Raises:
+        CacheDamaged: it is a file, or git does not open it (HEAD, objects/ or refs/ gone or
+            damaged, a config git cannot parse), naming what git says.
+    """
+    if not cache.is_dir():
+        raise _damaged(name, cache, location, "it is a file, not a bare repository folder", offline)
+    try:
+        return git.Repo(cache)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError, configparser.Error, ValueError) as exc:
+        raise _unreadable_cache(name, cache, location, offline) from exc
+
+
 def _unreadable_cache(name: str, cache: Path, location: str, offline: bool = False) -> CacheDamaged:
     """The error for a cache entry git does not take for a repository at all (HEAD or objects/
-    damaged or gone), quoting git's own words (``git rev-parse --git-dir`` there)."""
+    damaged or gone, a config it cannot parse), quoting git's own words (``git rev-parse
+    --git-dir`` there)."""
     proc = subprocess.run(["git", "-C", str(cache), "rev-parse", "--git-dir"], capture_output=True,
                           env=isolated({"GIT_CEILING_DIRECTORIES": str(cache.parent)}))
     words = " ".join(proc.stderr.decode("utf-8", "replace").split())[:400] or "GitPython does not open it"
-    return _damaged(name, cache, location, f"it is not a git repository any more: {words}", offline)
+    what = "it is not a git repository any more" if "not a git repository" in words or proc.returncode == 0 \
+        else "git cannot open it"
+    return _damaged(name, cache, location, f"{what}: {words}", offline)
+
+
+def _origin(repo: git.Repo) -> Optional[str]:
+    """The ``remote.origin.url`` a cache entry was cloned from, or None."""
+    try:
+        return str(repo.config_reader("repository").get_value('remote "origin"', "url"))
+    except Exception:  # noqa: BLE001 - no origin recorded
+        return None
 
 
 def _present(source: Source, rev: str) -> bool:

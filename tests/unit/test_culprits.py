@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -233,9 +234,21 @@ def _missing_objects_folder(entry: Path) -> str:
     return "it is not a git repository any more: fatal: not a git repository"
 
 
-@pytest.mark.parametrize("damage", [_truncate_pack, _remove_pack, _corrupt_index, _half_written_ref,
-                                    _half_written_packed_refs, _ref_to_a_lost_object, _missing_objects_folder])
-@pytest.mark.parametrize("offline", [False, True])
+def _garbled_config(entry: Path) -> str:
+    (entry / "config").write_text("[core\ngarbage\n")
+    return "git cannot open it: fatal: bad config line 1 in file"
+
+
+def _a_file_in_its_place(entry: Path) -> str:
+    shutil.rmtree(entry)
+    entry.write_text("not a repository\n")
+    return "it is a file, not a bare repository folder"
+
+
+@pytest.mark.parametrize("damage, offline", [
+    (_truncate_pack, True), (_truncate_pack, False), (_remove_pack, False), (_corrupt_index, True),
+    (_half_written_ref, False), (_half_written_packed_refs, False), (_ref_to_a_lost_object, True),
+    (_missing_objects_folder, True), (_garbled_config, False), (_a_file_in_its_place, False)])
 def test_a_damaged_cache_entry_is_named_with_the_command_that_repairs_it(args, tmp_path, damage, offline):
     """Hostile trial: a pack truncated to half was reported as "cache lacks N commits ... --offline
     was given"; following that hint fetched a second pack, and later runs used the broken entry
@@ -252,9 +265,8 @@ def test_a_damaged_cache_entry_is_named_with_the_command_that_repairs_it(args, t
         hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
         assert hint.startswith(f"hint: Delete the damaged cache entry (`rm -rf {entry}`;"), hint
         assert ("without --offline" in hint) == offline
-    shutil.rmtree(entry)  # the hint's own command
+    subprocess.run(["rm", "-rf", str(entry)], check=True)  # the hint's own command
     run(args + ["--no-trees"], 0)
-    run(args + ["--no-trees", "--offline"], 0)
 
 
 def test_a_damaged_local_mirror_is_named_as_the_source_not_the_cache(args, tmp_path, fake_repos):
@@ -311,3 +323,58 @@ def test_check_with_another_upstream_names_it(args, tmp_path, fake_repos):
                                         "in this check (--upstream)")
     assert exc.value.hint.startswith(f"To check with the lock's pins: pass --upstream {fake_repos.upstream[:12]} "
                                      "(the lock's)")
+
+
+def test_an_offline_cache_entry_of_another_repository_names_where_it_was_cloned_from(args, tmp_path, fake_repos):
+    run(args + ["--no-trees"], 0)
+    cache = tmp_path / "cache"
+    shutil.rmtree(cache / "megatron-lm.git")
+    shutil.copytree(cache / "megatron-bridge.git", cache / "megatron-lm.git")
+    result = run(args + ["--no-trees", "--offline"], 3)
+    error = first_error(result.stderr)
+    assert error.startswith(f"error: megatron-lm: the cache {cache / 'megatron-lm.git'} lacks "), error
+    hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
+    assert f"the entry was cloned from {fake_repos.bridge_repo}, not from {fake_repos.mlm}" in hint
+
+
+# --- other refusals fed by hand ------------------------------------------------------------------
+
+@pytest.mark.parametrize("python, printed", [("/bin/true", "nothing"), ("/bin/echo", "'-W ignore -c import ")])
+def test_a_python_that_does_not_run_the_probe_is_named_not_a_bug_nor_a_pass(args, python, printed):
+    """Hostile trial: --python /bin/true ended in "unexpected IndexError" (exit 1), and
+    --python /bin/echo passed the import check."""
+    result = run(_set(args, "--python", python) + ["--no-trees"], 7)
+    error = first_error(result.stderr)
+    assert error.startswith(f"error: verification check 'imports' failed: --python {python} exited 0 but did not run "
+                            f"the import probe (it printed {printed}"), error
+    assert error.endswith("not the probe's version line): it is not a Python interpreter")
+
+
+def test_check_of_a_folder_with_nothing_in_it_says_so_before_any_work(args, tmp_path):
+    (tmp_path / "out").mkdir()
+    result = run(args + ["--check"], 8)
+    assert first_error(result.stderr).startswith(f"error: nothing to check in {tmp_path / 'out'}: there is no "
+                                                 "manifests/lock.json and no output there")
+    assert "opening sources" not in result.stderr  # refused before the build
+
+
+def test_check_without_the_lock_names_the_lock(args, tmp_path):
+    run(args, 0)
+    (tmp_path / "out" / output.LOCK).unlink()
+    result = run(args + ["--check"], 8)
+    error = first_error(result.stderr)
+    assert "manifests/lock.json (missing)" in error
+    hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
+    assert hint.startswith(f"hint: manifests/lock.json is missing from {tmp_path / 'out'} (the other outputs are "
+                           "there): restore it (`git checkout manifests/lock.json`)")
+
+
+def test_check_of_a_lock_pinning_an_unknown_bridge_names_the_lock(args, tmp_path, fake_repos):
+    run(args + ["--no-trees"], 0)
+    path = tmp_path / "out" / output.LOCK
+    lock = json.loads(path.read_text())
+    lock["pins"]["megatron_bridge"] = "0" * 40
+    path.write_text(json.dumps(lock))
+    result = run(args + ["--check"], 4)
+    assert first_error(result.stderr).startswith(f"error: {path} pins Megatron-Bridge 000000000000, which --check "
+                                                 "takes from it: megatron-bridge: ")
