@@ -318,6 +318,7 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
             click.echo(f"recovered {out}: {done}", err=True)
         if check:
             output.refuse_nothing_to_check(out)
+        step["now"] = f"reading the date of {out / output.LOCK}"
         day, source = _date_choice(date, release, out, check)
         from_lock: dict = {}
         if check and bridge is None and mcore_base is None:

@@ -532,13 +532,17 @@ def lock_date(root: Path, check: bool = True) -> "str | None":
     path = root / LOCK
     if not path.exists():
         return None
+    if path.is_dir():
+        problem = f"{path} is a folder, not the lock file"
+        hint = f"Remove it (`rm -r {path}`), then restore the lock (`git checkout {LOCK}`) and run the same command again."
+        raise CheckMismatch(problem, hint=hint) if check else UsageError(problem, hint=hint)
     try:
         value = json.loads(path.read_text(encoding="utf-8"))["date"]
         day = dt.datetime.strptime(value, "%Y-%m-%d")
         if day.year < 1970:
             raise ValueError(f"date {value} is before 1970-01-01")
         return day.strftime("%Y-%m-%d")
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OSError) as exc:
         problem = f"{path} is not a lock with a valid date ({exc.__class__.__name__}: {exc})"
         if check:
             raise CheckMismatch(problem, hint=f"Restore it with `git checkout {LOCK}`, then run --check again.") from exc

@@ -307,6 +307,8 @@ def open_source(
         PinError: a needed commit is not in ``location`` even after fetching.
         BusyError: another run is cloning/fetching this entry and the run does not wait.
     """
+    given = (f"--{name}" if location else ENV_VARS[name] if os.environ.get(ENV_VARS[name]) else
+             f"the default URL; --{name} or {ENV_VARS[name]} name a mirror")
     location = location or os.environ.get(ENV_VARS[name]) or DEFAULT_URLS[name]
     local = os.path.isdir(location)
     if local:
@@ -338,7 +340,8 @@ def open_source(
                 git.Repo.clone_from(location, tmp, bare=True, env=isolated())
             except git.GitCommandError as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise SourceError(f"{name}: clone of {location} failed: {git_words(exc)[:400]}") from exc
+                raise SourceError(f"{name}: clone of {location} ({given}) failed: {git_words(exc)[:400]}",
+                                  hint=_unreachable_hint(name, location, given)) from exc
             if is_shallow(tmp):
                 shutil.rmtree(tmp)
                 raise _shallow_error(name, location)
@@ -372,7 +375,8 @@ def open_source(
             try:
                 repo.git.fetch(location, "+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*", "--prune")
             except git.GitCommandError as exc:
-                raise SourceError(f"{name}: fetch from {location} failed: {git_words(exc)[:400]}") from exc
+                raise SourceError(f"{name}: fetch from {location} ({given}) failed: {git_words(exc)[:400]}",
+                                  hint=_unreachable_hint(name, location, given)) from exc
             if is_shallow(cache):
                 shutil.rmtree(cache)
                 raise _shallow_error(name, location)
@@ -383,6 +387,18 @@ def open_source(
                                hint="Check the SHA (a typo, or a commit of another repository?), or point "
                                     f"--{name} at a mirror that has it.")
     return source
+
+
+def _unreachable_hint(name: str, location: str, given: str) -> str:
+    """What to do when ``location`` (named by ``given``: a flag, a variable or the default) cannot
+    be cloned or fetched from."""
+    what = "a Megatron-LM" if name == "megatron-lm" else "a Megatron-Bridge"
+    if "://" in location or location.startswith("git@"):
+        return (f"Check the network and the URL, or point --{name} (or {ENV_VARS[name]}) at {what} mirror on disk, "
+                "then run the same command again.")
+    there = "is not a git repository" if os.path.isdir(location) else "does not exist"
+    return (f"{location} {there}: point --{name} (or {ENV_VARS[name]}; this value came from "
+            f"{given.split(';')[0]}) at {what} mirror (a full `git clone --mirror`), then run the same command again.")
 
 
 def _open_cache(name: str, cache: Path, location: str, offline: bool) -> git.Repo:

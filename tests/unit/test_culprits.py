@@ -378,3 +378,28 @@ def test_check_of_a_lock_pinning_an_unknown_bridge_names_the_lock(args, tmp_path
     result = run(args + ["--check"], 4)
     assert first_error(result.stderr).startswith(f"error: {path} pins Megatron-Bridge 000000000000, which --check "
                                                  "takes from it: megatron-bridge: ")
+
+
+def test_a_lock_that_is_a_folder_is_named_not_a_killed_run(args, tmp_path):
+    """Hostile trial: it read "recovering <out> from a killed run failed: Is a directory" (exit 1)."""
+    out = tmp_path / "out"
+    (out / output.LOCK).mkdir(parents=True)
+    for extra, code in (([], 2), (["--check"], 8)):
+        result = run(args + ["--no-trees"] + extra, code)
+        assert first_error(result.stderr) == f"error: {out / output.LOCK} is a folder, not the lock file"
+        assert "killed run" not in result.stderr
+
+
+def test_a_mirror_that_is_not_there_names_where_its_path_came_from(args, tmp_path, monkeypatch):
+    i = args.index("--megatron-lm")
+    monkeypatch.setenv("MEGATRON_LM_REPO", str(tmp_path / "gone"))
+    result = run(args[:i] + args[i + 2:], 3)
+    error = first_error(result.stderr)
+    assert error.startswith(f"error: megatron-lm: clone of {tmp_path / 'gone'} (MEGATRON_LM_REPO) failed: "), error
+    hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
+    assert hint.startswith(f"hint: {tmp_path / 'gone'} does not exist: point --megatron-lm (or MEGATRON_LM_REPO; "
+                           "this value came from MEGATRON_LM_REPO)")
+    (tmp_path / "plain-folder").mkdir()
+    result = run(_set(args, "--megatron-lm", str(tmp_path / "plain-folder")), 3)
+    assert "(--megatron-lm) failed" in first_error(result.stderr)
+    assert f"hint: {tmp_path / 'plain-folder'} is not a git repository: " in result.stderr
