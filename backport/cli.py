@@ -321,6 +321,9 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         step["now"] = f"reading the date of {out / output.LOCK}"
         day, source = _date_choice(date, release, out, check)
         from_lock: dict = {}
+        if check:  # pins given that differ from the lock's: named first, before the build (which may fail on them)
+            output.refuse_other_pins(out, {"megatron_bridge": bridge, "upstream": upstream, "mcore_base": mcore_base,
+                                           **({"pin_mismatch_allowed": True} if mcore_base else {})})
         if check and bridge is None and mcore_base is None:
             bridge, mcore_base = _lock_pins(out, recipe, allow_pin_mismatch, say)
             from_lock = {what: sha for what, sha in (("Megatron-Bridge", bridge), ("MCore base", mcore_base)) if sha}

@@ -602,7 +602,7 @@ def check(build, root: Path, warn: Callable[[str], None] = _stderr) -> dict[str,
     refuse_links(root, list(rendered(build)) + list(TREES) + list(FIXED_PATHS))
     refuse_nothing_to_check(root)
     disk_lock = _json_on_disk(root / LOCK)
-    _refuse_other_pins(build, root, disk_lock)
+    refuse_other_pins(root, build.manifest["pins"], disk_lock)
     build, unchecked = _adopt_skipped(build, root, warn)
     files = rendered(build)
     generated = [rel for rel in files if rel != LOCK]
@@ -674,15 +674,17 @@ def refuse_nothing_to_check(root: Path) -> None:
 PIN_FLAGS = {"megatron_bridge": "--bridge", "mcore_base": "--mcore-base", "upstream": "--upstream"}
 
 
-def _refuse_other_pins(build, root: Path, disk_lock: dict) -> None:
-    """Raise :class:`CheckMismatch` naming each pin of the build that differs from the lock's
-    (Megatron-Bridge, MCore base, upstream), the lock's value first; nothing when the lock has
-    no pins (absent or malformed: the comparison names that)."""
+def refuse_other_pins(root: Path, new: dict, disk_lock: "dict | None" = None) -> None:
+    """Raise :class:`CheckMismatch` naming each pin of ``new`` (a build's pins, full SHAs, or the
+    pin flags the user gave, hex prefixes: the CLI calls it before the build) that differs from
+    the lock's (Megatron-Bridge, MCore base, upstream), the lock's value first; nothing when the
+    lock has no pins (absent or malformed: the comparison names that)."""
+    disk_lock = _json_on_disk(root / LOCK) if disk_lock is None else disk_lock
     old = disk_lock.get("pins")
     if not isinstance(old, dict):
         return
-    new = build.manifest["pins"]
-    differ = [key for key in PIN_FLAGS if key in old and old.get(key) != new.get(key)]
+    differ = [key for key in PIN_FLAGS if isinstance(old.get(key), str) and isinstance(new.get(key), str)
+              and not old[key].startswith(new[key].strip().lower())]
     if not differ:
         return
     def why(key: str) -> str:

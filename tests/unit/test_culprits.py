@@ -296,33 +296,46 @@ def test_check_with_another_bridge_names_the_pin_and_the_locks_value_first(args,
     out = tmp_path / "out"
     run(args, 0)
     lock = json.loads((out / output.LOCK).read_text())
-    result = run(args + ["--check", "--bridge", fake_repos.bridge_other], 8)
+    result = run(args + ["--check", "--bridge", fake_repos.bridge_other[:10]], 8)
     error = first_error(result.stderr)
-    assert error.startswith(f"error: the pins of this check differ from {out / output.LOCK}: megatron_bridge "
-                            f"{lock['pins']['megatron_bridge'][:12]} in the lock, {fake_repos.bridge_other[:12]} in "
-                            "this check (--bridge); mcore_base "), error
-    assert "(the .dev.commit of that Megatron-Bridge commit)" in error
+    assert error == (f"error: the pins of this check differ from {out / output.LOCK}: megatron_bridge "
+                     f"{lock['pins']['megatron_bridge'][:12]} in the lock, {fake_repos.bridge_other[:10]} in this check "
+                     "(--bridge); every output differs with other pins, so nothing else was compared"), error
     assert "did not write" not in result.stderr and "warning:" not in result.stderr
+    assert "opening sources" not in result.stderr  # named before the build, which other pins may fail
     hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
     assert hint.startswith("hint: To check with the lock's pins: drop --bridge") and "--carry" not in hint
+    run(args + ["--check", "--bridge", lock["pins"]["megatron_bridge"][:8]], 0)  # the lock's own pin, short
     run(args + ["--check"], 0)  # the hint's route
 
 
-def test_check_with_another_upstream_names_it(args, tmp_path, fake_repos):
+def test_check_of_a_build_on_other_pins_names_them_too(args, tmp_path, fake_repos):
+    """The same refusal after the build (pins that only the build resolves: the base that the
+    Bridge commit's .dev.commit names)."""
+    from types import SimpleNamespace  # noqa: F401
+
     from backport.errors import CheckMismatch
-    from backport.output import _refuse_other_pins
-    from types import SimpleNamespace
 
     run(args + ["--no-trees"], 0)
     lock = json.loads((tmp_path / "out" / output.LOCK).read_text())
-    other = dict(lock["pins"], upstream=fake_repos.side)
+    other = dict(lock["pins"], megatron_bridge=fake_repos.bridge_other, mcore_base=fake_repos.i1)
     with pytest.raises(CheckMismatch) as exc:
-        _refuse_other_pins(SimpleNamespace(manifest={"pins": other}), tmp_path / "out", lock)
-    assert exc.value.message.startswith(f"the pins of this check differ from {tmp_path / 'out' / output.LOCK}: "
-                                        f"upstream {fake_repos.upstream[:12]} in the lock, {fake_repos.side[:12]} "
-                                        "in this check (--upstream)")
-    assert exc.value.hint.startswith(f"To check with the lock's pins: pass --upstream {fake_repos.upstream[:12]} "
-                                     "(the lock's)")
+        output.refuse_other_pins(tmp_path / "out", other)
+    assert exc.value.message.startswith(
+        f"the pins of this check differ from {tmp_path / 'out' / output.LOCK}: megatron_bridge "
+        f"{lock['pins']['megatron_bridge'][:12]} in the lock, {fake_repos.bridge_other[:12]} in this check (--bridge); "
+        f"mcore_base {lock['pins']['mcore_base'][:12]} in the lock, {fake_repos.i1[:12]} in this check (the "
+        ".dev.commit of that Megatron-Bridge commit)")
+
+
+def test_check_with_another_upstream_names_it(args, tmp_path, fake_repos):
+    run(args + ["--no-trees"], 0)
+    result = run(args + ["--check", "--upstream", fake_repos.side], 8)
+    assert first_error(result.stderr).startswith(
+        f"error: the pins of this check differ from {tmp_path / 'out' / output.LOCK}: upstream "
+        f"{fake_repos.upstream[:12]} in the lock, {fake_repos.side[:12]} in this check (--upstream)")
+    assert f"hint: To check with the lock's pins: pass --upstream {fake_repos.upstream[:12]} (the lock's)" \
+        in result.stderr
 
 
 def test_an_offline_cache_entry_of_another_repository_names_where_it_was_cloned_from(args, tmp_path, fake_repos):
