@@ -387,6 +387,12 @@ def recover(root: Path, on_step: StepHook = None) -> "str | None":
         step("remove unfinished staging")
         done.append(f"removed the unfinished staging folder {TXN} of a killed run")
         return "; ".join(done)
+    problem = _journal_problem(journal)
+    if problem:
+        raise WriteError(f"the journal {journal_path} of a killed run is not one this tool writes ({problem}); "
+                         f"nothing was moved", hint=f"Move {txn} out of the way (its old/ holds the outputs before "
+                         "that run, new/ the staged ones), then run `tools/backport` (without --check): it writes "
+                         "every output again.")
     refuse_links(root, list(journal["targets"]) + [LOCK])
     if journal["lock_sha256"] is None or _sha256_file(root / LOCK) == journal["lock_sha256"]:
         for rel in journal["targets"]:
@@ -400,6 +406,27 @@ def recover(root: Path, on_step: StepHook = None) -> "str | None":
     shutil.rmtree(txn)
     step("remove journal")
     return "; ".join(done)
+
+
+def _journal_problem(journal) -> "str | None":
+    """What makes ``journal`` one this tool never writes (a shape it lacks, a target outside the
+    output set, ``..`` included), or None. A journal is written whole (temp file, rename), so
+    this is damage from elsewhere; recovering from it could move or delete files outside --out."""
+    if not isinstance(journal, dict):
+        return "not a JSON object"
+    targets, existed, lock = journal.get("targets"), journal.get("existed"), journal.get("lock_sha256")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        return "no list of targets"
+    if not isinstance(existed, dict) or any(not isinstance(existed.get(t), bool) for t in targets):
+        return "no existed flag for every target"
+    if lock is not None and not (isinstance(lock, str) and len(lock) == 64):
+        return "lock_sha256 is not a sha256"
+    for target in targets:
+        parts = PurePosixPath(target).parts
+        if (PurePosixPath(target).is_absolute() or ".." in parts or
+                not (target in TREES or (parts[:1] == ("patches",) and len(parts) >= 3))):
+            return f"target {target!r} is not an output path"
+    return None
 
 
 def write(build, root: Path, trees: bool = True, on_step: StepHook = None,

@@ -416,3 +416,28 @@ def test_a_mirror_that_is_not_there_names_where_its_path_came_from(args, tmp_pat
     result = run(_set(args, "--megatron-lm", str(tmp_path / "plain-folder")), 3)
     assert "(--megatron-lm) failed" in first_error(result.stderr)
     assert f"hint: {tmp_path / 'plain-folder'} is not a git repository: " in result.stderr
+
+
+@pytest.mark.parametrize("journal, problem", [
+    ('{"schema": 1}', "no list of targets"),
+    ("[1, 2]", "not a JSON object"),
+    (None, "target '../../victim.txt' is not an output path"),
+])
+def test_a_journal_this_tool_never_writes_is_named_and_nothing_is_moved(args, tmp_path, journal, problem):
+    """Hostile trial: a journal of the wrong shape ended in "unexpected KeyError" (exit 1), and one
+    naming a target outside --out had that file deleted by the roll-back."""
+    out = tmp_path / "out"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    txn = out / output.TXN
+    txn.mkdir(parents=True)
+    if journal is None:
+        journal = json.dumps({"schema": 1, "targets": ["../../victim.txt"], "existed": {"../../victim.txt": False},
+                              "lock_sha256": "0" * 64})
+    (txn / "journal.json").write_text(journal)
+    result = run(args + ["--no-trees"], 1)
+    assert first_error(result.stderr) == (f"error: the journal {txn / 'journal.json'} of a killed run is not one "
+                                          f"this tool writes ({problem}); nothing was moved")
+    assert victim.read_text() == "keep me\n"
+    shutil.move(txn, tmp_path / "txn-aside")  # the hint's route
+    run(args + ["--no-trees"], 0)
