@@ -824,6 +824,17 @@ def _mismatch_hint(build, root: Path) -> "str | None":
                   "carry-free outputs.")
     day = build.manifest["date"]
     lock = _json_on_disk(root / LOCK)
+    old_recipe = lock.get("recipe") if isinstance(lock.get("recipe"), dict) else {}
+    new_recipe = build.manifest["recipe"]
+    if old_recipe.get("sha256") and old_recipe.get("sha256") != new_recipe["sha256"]:
+        return (f"The recipe {new_recipe['path']} is not the one {LOCK} was written with (sha256 "
+                f"{str(old_recipe.get('sha256'))[:12]} in the lock, {new_recipe['sha256'][:12]} now): regenerate with "
+                f"`tools/backport` and commit {LOCK} to publish the recipe's change, or restore the recipe file "
+                "(`git checkout` it) and --check again.")
+    tool = latest.get("tool") if isinstance(latest.get("tool"), dict) else {}
+    if tool.get("version") and tool.get("version") != build.manifest["tool"]["version"]:
+        return (f"patches/latest was written by gdn-backport {tool.get('version')}, this is "
+                f"{build.manifest['tool']['version']}: regenerate with `tools/backport` and commit {LOCK}.")
     lock_day = str(lock["date"]) if "date" in lock else None
     latest_day = str(latest["date"]) if "date" in latest else None
     if lock_day and lock_day != day:

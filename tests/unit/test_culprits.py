@@ -441,3 +441,15 @@ def test_a_journal_this_tool_never_writes_is_named_and_nothing_is_moved(args, tm
     assert victim.read_text() == "keep me\n"
     shutil.move(txn, tmp_path / "txn-aside")  # the hint's route
     run(args + ["--no-trees"], 0)
+
+
+def test_check_after_a_recipe_edit_names_the_recipe(args, tmp_path, fake_repos):
+    run(args + ["--no-trees"], 0)
+    data = recipe_data(fake_repos)
+    data["steps"][0]["why"] = "edited after the lock was written"
+    write_recipe(tmp_path / "fake.yaml", data)
+    result = run(args + ["--check"], 8)
+    error = first_error(result.stderr)
+    assert "manifests/lock.json (differs: " in error and "recipe changed (sha256)" in error
+    hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
+    assert hint.startswith("hint: The recipe fake.yaml is not the one manifests/lock.json was written with (sha256 ")
