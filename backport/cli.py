@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
-from .errors import PipelineError, UsageError
+from .errors import PinError, PipelineError, UsageError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = REPO_ROOT / "manifests" / "gdn-chunkwise-cp.yaml"
@@ -322,9 +322,17 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         done = output.recover(out)
         if done:
             click.echo(f"recovered {out}: {done}", err=True)
+        if check:
+            output.refuse_nothing_to_check(out)
+        step["now"] = f"reading the date of {out / output.LOCK}"
         day, source = _date_choice(date, release, out, check)
+        from_lock: dict = {}
+        if check:  # pins given that differ from the lock's: named first, before the build (which may fail on them)
+            output.refuse_other_pins(out, {"megatron_bridge": bridge, "upstream": upstream, "mcore_base": mcore_base,
+                                           **({"pin_mismatch_allowed": True} if mcore_base else {})})
         if check and bridge is None and mcore_base is None:
             bridge, mcore_base = _lock_pins(out, recipe, allow_pin_mismatch, say)
+            from_lock = {what: sha for what, sha in (("Megatron-Bridge", bridge), ("MCore base", mcore_base)) if sha}
         opts = options(day)
         lock_day = output.lock_date(out) if check else None
         shown = f"{opts.date[:4]}-{opts.date[4:6]}-{opts.date[6:]}"
@@ -332,7 +340,16 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         if check and lock_day and shown != lock_day:
             click.echo(f"warning: {output.LOCK} is dated {lock_day}; checking with another date ({source}) "
                        "makes the lock differ. Drop it to check against the lock's date.", err=True)
-        build = _build(err, opts, say)
+        try:
+            build = _build(err, opts, say)
+        except PinError as exc:  # a pin --check took from the lock: the lock is the culprit, say so first
+            named = [(what, sha) for what, sha in from_lock.items() if sha in exc.message or sha[:12] in exc.message]
+            if not named:
+                raise
+            what, sha = named[0]
+            raise PinError(f"{out / output.LOCK} pins {what} {sha[:12]}, which --check takes from it: {exc.message}",
+                           hint=f"Restore the lock (`git checkout {output.LOCK}`) if it was edited; else point "
+                                f"--megatron-bridge at a mirror that has {sha[:12]}, then --check again.") from exc
         out_console = Console(width=200)
         if check:
             step["now"] = f"comparing with the outputs in {out}"

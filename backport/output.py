@@ -387,6 +387,12 @@ def recover(root: Path, on_step: StepHook = None) -> "str | None":
         step("remove unfinished staging")
         done.append(f"removed the unfinished staging folder {TXN} of a killed run")
         return "; ".join(done)
+    problem = _journal_problem(journal)
+    if problem:
+        raise WriteError(f"the journal {journal_path} of a killed run is not one this tool writes ({problem}); "
+                         f"nothing was moved", hint=f"Move {txn} out of the way (its old/ holds the outputs before "
+                         "that run, new/ the staged ones), then run `tools/backport` (without --check): it writes "
+                         "every output again.")
     refuse_links(root, list(journal["targets"]) + [LOCK])
     if journal["lock_sha256"] is None or _sha256_file(root / LOCK) == journal["lock_sha256"]:
         for rel in journal["targets"]:
@@ -400,6 +406,27 @@ def recover(root: Path, on_step: StepHook = None) -> "str | None":
     shutil.rmtree(txn)
     step("remove journal")
     return "; ".join(done)
+
+
+def _journal_problem(journal) -> "str | None":
+    """What makes ``journal`` one this tool never writes (a shape it lacks, a target outside the
+    output set, ``..`` included), or None. A journal is written whole (temp file, rename), so
+    this is damage from elsewhere; recovering from it could move or delete files outside --out."""
+    if not isinstance(journal, dict):
+        return "not a JSON object"
+    targets, existed, lock = journal.get("targets"), journal.get("existed"), journal.get("lock_sha256")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        return "no list of targets"
+    if not isinstance(existed, dict) or any(not isinstance(existed.get(t), bool) for t in targets):
+        return "no existed flag for every target"
+    if lock is not None and not (isinstance(lock, str) and len(lock) == 64):
+        return "lock_sha256 is not a sha256"
+    for target in targets:
+        parts = PurePosixPath(target).parts
+        if (PurePosixPath(target).is_absolute() or ".." in parts or
+                not (target in TREES or (parts[:1] == ("patches",) and len(parts) >= 3))):
+            return f"target {target!r} is not an output path"
+    return None
 
 
 def write(build, root: Path, trees: bool = True, on_step: StepHook = None,
@@ -532,13 +559,17 @@ def lock_date(root: Path, check: bool = True) -> "str | None":
     path = root / LOCK
     if not path.exists():
         return None
+    if path.is_dir():
+        problem = f"{path} is a folder, not the lock file"
+        hint = f"Remove it (`rm -r {path}`), then restore the lock (`git checkout {LOCK}`) and run the same command again."
+        raise CheckMismatch(problem, hint=hint) if check else UsageError(problem, hint=hint)
     try:
         value = json.loads(path.read_text(encoding="utf-8"))["date"]
         day = dt.datetime.strptime(value, "%Y-%m-%d")
         if day.year < 1970:
             raise ValueError(f"date {value} is before 1970-01-01")
         return day.strftime("%Y-%m-%d")
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OSError) as exc:
         problem = f"{path} is not a lock with a valid date ({exc.__class__.__name__}: {exc})"
         if check:
             raise CheckMismatch(problem, hint=f"Restore it with `git checkout {LOCK}`, then run --check again.") from exc
@@ -596,8 +627,9 @@ def check(build, root: Path, warn: Callable[[str], None] = _stderr) -> dict[str,
         OutputLinkError: an output path, or a folder on the way to one, is a symbolic link.
     """
     refuse_links(root, list(rendered(build)) + list(TREES) + list(FIXED_PATHS))
+    refuse_nothing_to_check(root)
     disk_lock = _json_on_disk(root / LOCK)
-    _refuse_other_pins(build, root, disk_lock)
+    refuse_other_pins(root, build.manifest["pins"], disk_lock)
     build, unchecked = _adopt_skipped(build, root, warn)
     files = rendered(build)
     generated = [rel for rel in files if rel != LOCK]
@@ -649,19 +681,37 @@ def check(build, root: Path, warn: Callable[[str], None] = _stderr) -> dict[str,
     return report
 
 
+def refuse_nothing_to_check(root: Path) -> None:
+    """Refuse ``--check`` of a folder that holds no output at all (no lock, no patch, manifest or
+    tree): the user named the wrong ``--out`` (or a clone lost its lock); the CLI calls it before
+    the build, :func:`check` again.
+
+    Raises:
+        CheckMismatch: naming ``root``.
+    """
+    fixed = (LOCK, "patches/megatron", "patches/latest/megatron.patch", "patches/latest/manifest.json",
+             "patches/latest/manifest.md", *TREES)
+    if not any(_exists(root / rel) for rel in fixed):
+        raise CheckMismatch(f"nothing to check in {root}: there is no {LOCK} and no output there",
+                            hint=f"Pass --out the folder that holds the outputs, or write them first (`tools/backport "
+                                 f"--out {root}`); in a clone of the repository, `git checkout {LOCK}`.")
+
+
 #: The flag that sets each pin of the lock (the rest follow from them or from the recipe).
 PIN_FLAGS = {"megatron_bridge": "--bridge", "mcore_base": "--mcore-base", "upstream": "--upstream"}
 
 
-def _refuse_other_pins(build, root: Path, disk_lock: dict) -> None:
-    """Raise :class:`CheckMismatch` naming each pin of the build that differs from the lock's
-    (Megatron-Bridge, MCore base, upstream), the lock's value first; nothing when the lock has
-    no pins (absent or malformed: the comparison names that)."""
+def refuse_other_pins(root: Path, new: dict, disk_lock: "dict | None" = None) -> None:
+    """Raise :class:`CheckMismatch` naming each pin of ``new`` (a build's pins, full SHAs, or the
+    pin flags the user gave, hex prefixes: the CLI calls it before the build) that differs from
+    the lock's (Megatron-Bridge, MCore base, upstream), the lock's value first; nothing when the
+    lock has no pins (absent or malformed: the comparison names that)."""
+    disk_lock = _json_on_disk(root / LOCK) if disk_lock is None else disk_lock
     old = disk_lock.get("pins")
     if not isinstance(old, dict):
         return
-    new = build.manifest["pins"]
-    differ = [key for key in PIN_FLAGS if key in old and old.get(key) != new.get(key)]
+    differ = [key for key in PIN_FLAGS if isinstance(old.get(key), str) and isinstance(new.get(key), str)
+              and not old[key].startswith(new[key].strip().lower())]
     if not differ:
         return
     def why(key: str) -> str:
@@ -754,6 +804,9 @@ def _json_on_disk(path: Path) -> dict:
 def _mismatch_hint(build, root: Path) -> "str | None":
     """A hint naming the usual causes, a carry or date mismatch, or outputs written by a run that
     skipped a check; None keeps the class's."""
+    if not _exists(root / LOCK):
+        return (f"{LOCK} is missing from {root} (the other outputs are there): restore it (`git checkout {LOCK}`) "
+                "and --check again, or write it with a plain run (`tools/backport`).")
     latest = _json_on_disk(root / "patches/latest/manifest.json")
     skipped_there = skipped_checks(latest)
     if skipped_there:
@@ -771,6 +824,17 @@ def _mismatch_hint(build, root: Path) -> "str | None":
                   "carry-free outputs.")
     day = build.manifest["date"]
     lock = _json_on_disk(root / LOCK)
+    old_recipe = lock.get("recipe") if isinstance(lock.get("recipe"), dict) else {}
+    new_recipe = build.manifest["recipe"]
+    if old_recipe.get("sha256") and old_recipe.get("sha256") != new_recipe["sha256"]:
+        return (f"The recipe {new_recipe['path']} is not the one {LOCK} was written with (sha256 "
+                f"{str(old_recipe.get('sha256'))[:12]} in the lock, {new_recipe['sha256'][:12]} now): regenerate with "
+                f"`tools/backport` and commit {LOCK} to publish the recipe's change, or restore the recipe file "
+                "(`git checkout` it) and --check again.")
+    tool = latest.get("tool") if isinstance(latest.get("tool"), dict) else {}
+    if tool.get("version") and tool.get("version") != build.manifest["tool"]["version"]:
+        return (f"patches/latest was written by gdn-backport {tool.get('version')}, this is "
+                f"{build.manifest['tool']['version']}: regenerate with `tools/backport` and commit {LOCK}.")
     lock_day = str(lock["date"]) if "date" in lock else None
     latest_day = str(latest["date"]) if "date" in latest else None
     if lock_day and lock_day != day:

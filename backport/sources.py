@@ -16,6 +16,7 @@ its source (a local mirror) instead.
 
 from __future__ import annotations
 
+import configparser
 import hashlib
 import io
 import os
@@ -306,6 +307,8 @@ def open_source(
         PinError: a needed commit is not in ``location`` even after fetching.
         BusyError: another run is cloning/fetching this entry and the run does not wait.
     """
+    given = (f"--{name}" if location else ENV_VARS[name] if os.environ.get(ENV_VARS[name]) else
+             f"the default URL; --{name} or {ENV_VARS[name]} name a mirror")
     location = location or os.environ.get(ENV_VARS[name]) or DEFAULT_URLS[name]
     local = os.path.isdir(location)
     if local:
@@ -314,6 +317,8 @@ def open_source(
     say = progress or (lambda _msg: None)
     with locks.hold(cache.with_name(cache.name + ".lock"), f"the {name} cache {cache}"):
         cold = False
+        if os.path.lexists(cache):  # an entry that is there must open; else it is damage, not "no cache"
+            _open_cache(name, cache, location, offline)
         if (cache / "HEAD").exists() and is_shallow(cache):
             if offline:
                 raise SourceError(f"{name}: the cache {cache} holds shallow history and --offline was given.",
@@ -335,16 +340,14 @@ def open_source(
                 git.Repo.clone_from(location, tmp, bare=True, env=isolated())
             except git.GitCommandError as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise SourceError(f"{name}: clone of {location} failed: {git_words(exc)[:400]}") from exc
+                raise SourceError(f"{name}: clone of {location} ({given}) failed: {git_words(exc)[:400]}",
+                                  hint=_unreachable_hint(name, location, given)) from exc
             if is_shallow(tmp):
                 shutil.rmtree(tmp)
                 raise _shallow_error(name, location)
             os.rename(tmp, cache)
             cold = True
-        try:
-            repo = git.Repo(cache)
-        except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
-            raise _unreadable_cache(name, cache, location, offline) from exc
+        repo = _open_cache(name, cache, location, offline)
         isolate_gitpython(repo)
         # Every run, warm or cold: a damaged entry is named, never used (nor fetched into) silently.
         damage = cache_damage(repo)
@@ -361,15 +364,19 @@ def open_source(
             say(f"{name}: using the cache {cache} (source {location}; it has every pinned commit)")
         if missing:
             if offline:
-                raise SourceError(f"{name}: cache lacks {', '.join(missing)} and --offline was given.",
-                                  hint="Run without --offline so the cache can fetch.")
+                origin = _origin(repo)
+                other = (f" (the entry was cloned from {origin}, not from {location}: if that is another repository, "
+                         f"delete it, `rm -rf {cache}`)" if origin and origin != location else "")
+                raise SourceError(f"{name}: the cache {cache} lacks {', '.join(missing)} and --offline was given.",
+                                  hint=f"Run without --offline so the cache can fetch from {location}{other}.")
             if local and is_shallow(location):
                 raise _shallow_error(name, location)
             say(f"fetching {name} from {location} (missing {', '.join(m[:12] for m in missing)})")
             try:
                 repo.git.fetch(location, "+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*", "--prune")
             except git.GitCommandError as exc:
-                raise SourceError(f"{name}: fetch from {location} failed: {git_words(exc)[:400]}") from exc
+                raise SourceError(f"{name}: fetch from {location} ({given}) failed: {git_words(exc)[:400]}",
+                                  hint=_unreachable_hint(name, location, given)) from exc
             if is_shallow(cache):
                 shutil.rmtree(cache)
                 raise _shallow_error(name, location)
@@ -382,13 +389,51 @@ def open_source(
     return source
 
 
+def _unreachable_hint(name: str, location: str, given: str) -> str:
+    """What to do when ``location`` (named by ``given``: a flag, a variable or the default) cannot
+    be cloned or fetched from."""
+    what = "a Megatron-LM" if name == "megatron-lm" else "a Megatron-Bridge"
+    if "://" in location or location.startswith("git@"):
+        return (f"Check the network and the URL, or point --{name} (or {ENV_VARS[name]}) at {what} mirror on disk, "
+                "then run the same command again.")
+    there = "is not a git repository" if os.path.isdir(location) else "does not exist"
+    return (f"{location} {there}: point --{name} (or {ENV_VARS[name]}; this value came from "
+            f"{given.split(';')[0]}) at {what} mirror (a full `git clone --mirror`), then run the same command again.")
+
+
+def _open_cache(name: str, cache: Path, location: str, offline: bool) -> git.Repo:
+    """The cache entry ``cache`` opened with GitPython.
+
+    Raises:
+        CacheDamaged: it is a file, or git does not open it (HEAD, objects/ or refs/ gone or
+            damaged, a config git cannot parse), naming what git says.
+    """
+    if not cache.is_dir():
+        raise _damaged(name, cache, location, "it is a file, not a bare repository folder", offline)
+    try:
+        return git.Repo(cache)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError, configparser.Error, ValueError) as exc:
+        raise _unreadable_cache(name, cache, location, offline) from exc
+
+
 def _unreadable_cache(name: str, cache: Path, location: str, offline: bool = False) -> CacheDamaged:
     """The error for a cache entry git does not take for a repository at all (HEAD or objects/
-    damaged or gone), quoting git's own words (``git rev-parse --git-dir`` there)."""
+    damaged or gone, a config it cannot parse), quoting git's own words (``git rev-parse
+    --git-dir`` there)."""
     proc = subprocess.run(["git", "-C", str(cache), "rev-parse", "--git-dir"], capture_output=True,
                           env=isolated({"GIT_CEILING_DIRECTORIES": str(cache.parent)}))
     words = " ".join(proc.stderr.decode("utf-8", "replace").split())[:400] or "GitPython does not open it"
-    return _damaged(name, cache, location, f"it is not a git repository any more: {words}", offline)
+    what = "it is not a git repository any more" if "not a git repository" in words or proc.returncode == 0 \
+        else "git cannot open it"
+    return _damaged(name, cache, location, f"{what}: {words}", offline)
+
+
+def _origin(repo: git.Repo) -> Optional[str]:
+    """The ``remote.origin.url`` a cache entry was cloned from, or None."""
+    try:
+        return str(repo.config_reader("repository").get_value('remote "origin"', "url"))
+    except Exception:  # noqa: BLE001 - no origin recorded
+        return None
 
 
 def _present(source: Source, rev: str) -> bool:

@@ -55,6 +55,17 @@ print(json.dumps({"fla": fla.__version__, "triton": triton.__version__, "torch":
 '''
 
 
+def _is_versions(line: str) -> bool:
+    """True when ``line`` is the probe's last line: a JSON object naming fla, triton and torch."""
+    import json
+
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and {"fla", "triton", "torch"} <= set(data)
+
+
 def _fail(check: str, detail: str, hint: str | None = None) -> None:
     raise VerificationError(f"verification check '{check}' failed: {detail}", hint=hint)
 
@@ -211,11 +222,20 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress,
                              "(out of memory, or stopped from outside)",
                   hint="Run again; if it recurs, free memory or pass --no-import-check (recorded in the manifest).")
         if returncode != 0:
-            tail = "\n".join(stderr.strip().splitlines()[-6:])
+            tail = ("\n".join(stderr.strip().splitlines()[-6:]) or
+                    f"it exited {returncode} and printed nothing on stderr (is it a Python interpreter?)")
             _fail("imports", f"the patched modules do not import with {opts.python}:\n{tail}",
                   hint="Install the verify requirements (`pip install -r requirements/verify.txt`) into the "
-                       "interpreter given by --python, or pass --no-import-check (recorded in the manifest).")
-        versions = stdout.strip().splitlines()[-1]
+                       "interpreter given by --python, or pass --no-import-check (recorded in the manifest; the "
+                       "lock is then left alone).")
+        versions = (stdout.strip().splitlines() or [""])[-1]
+        if not _is_versions(versions):  # exit 0 without the probe's line: not a Python that ran it
+            said = repr(" ".join(stdout.split())[:200]) if stdout.strip() else "nothing"
+            _fail("imports", f"--python {opts.python} exited 0 but did not run the import probe (it printed "
+                             f"{said}, not the probe's version line): it is not a Python interpreter",
+                  hint="Pass --python a Python interpreter with torch, triton 3.6.0 and FLA 0.4.2 (e.g. "
+                       "$PWD/.venv/bin/python after `make venv`), or --no-import-check (the lock is then left "
+                       "alone).")
         checks.append({"check": "imports", "ok": True,
                        "detail": f"{len(recipe.import_check)} modules imported; cp_context accepted; {versions}"})
     else:

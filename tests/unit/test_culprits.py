@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -233,9 +234,21 @@ def _missing_objects_folder(entry: Path) -> str:
     return "it is not a git repository any more: fatal: not a git repository"
 
 
-@pytest.mark.parametrize("damage", [_truncate_pack, _remove_pack, _corrupt_index, _half_written_ref,
-                                    _half_written_packed_refs, _ref_to_a_lost_object, _missing_objects_folder])
-@pytest.mark.parametrize("offline", [False, True])
+def _garbled_config(entry: Path) -> str:
+    (entry / "config").write_text("[core\ngarbage\n")
+    return "git cannot open it: fatal: bad config line 1 in file"
+
+
+def _a_file_in_its_place(entry: Path) -> str:
+    shutil.rmtree(entry)
+    entry.write_text("not a repository\n")
+    return "it is a file, not a bare repository folder"
+
+
+@pytest.mark.parametrize("damage, offline", [
+    (_truncate_pack, True), (_truncate_pack, False), (_remove_pack, False), (_corrupt_index, True),
+    (_half_written_ref, False), (_half_written_packed_refs, False), (_ref_to_a_lost_object, True),
+    (_missing_objects_folder, True), (_garbled_config, False), (_a_file_in_its_place, False)])
 def test_a_damaged_cache_entry_is_named_with_the_command_that_repairs_it(args, tmp_path, damage, offline):
     """Hostile trial: a pack truncated to half was reported as "cache lacks N commits ... --offline
     was given"; following that hint fetched a second pack, and later runs used the broken entry
@@ -252,9 +265,8 @@ def test_a_damaged_cache_entry_is_named_with_the_command_that_repairs_it(args, t
         hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
         assert hint.startswith(f"hint: Delete the damaged cache entry (`rm -rf {entry}`;"), hint
         assert ("without --offline" in hint) == offline
-    shutil.rmtree(entry)  # the hint's own command
+    subprocess.run(["rm", "-rf", str(entry)], check=True)  # the hint's own command
     run(args + ["--no-trees"], 0)
-    run(args + ["--no-trees", "--offline"], 0)
 
 
 def test_a_damaged_local_mirror_is_named_as_the_source_not_the_cache(args, tmp_path, fake_repos):
@@ -284,30 +296,160 @@ def test_check_with_another_bridge_names_the_pin_and_the_locks_value_first(args,
     out = tmp_path / "out"
     run(args, 0)
     lock = json.loads((out / output.LOCK).read_text())
-    result = run(args + ["--check", "--bridge", fake_repos.bridge_other], 8)
+    result = run(args + ["--check", "--bridge", fake_repos.bridge_other[:10]], 8)
     error = first_error(result.stderr)
-    assert error.startswith(f"error: the pins of this check differ from {out / output.LOCK}: megatron_bridge "
-                            f"{lock['pins']['megatron_bridge'][:12]} in the lock, {fake_repos.bridge_other[:12]} in "
-                            "this check (--bridge); mcore_base "), error
-    assert "(the .dev.commit of that Megatron-Bridge commit)" in error
+    assert error == (f"error: the pins of this check differ from {out / output.LOCK}: megatron_bridge "
+                     f"{lock['pins']['megatron_bridge'][:12]} in the lock, {fake_repos.bridge_other[:10]} in this check "
+                     "(--bridge); every output differs with other pins, so nothing else was compared"), error
     assert "did not write" not in result.stderr and "warning:" not in result.stderr
+    assert "opening sources" not in result.stderr  # named before the build, which other pins may fail
     hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
     assert hint.startswith("hint: To check with the lock's pins: drop --bridge") and "--carry" not in hint
+    run(args + ["--check", "--bridge", lock["pins"]["megatron_bridge"][:8]], 0)  # the lock's own pin, short
     run(args + ["--check"], 0)  # the hint's route
 
 
-def test_check_with_another_upstream_names_it(args, tmp_path, fake_repos):
+def test_check_of_a_build_on_other_pins_names_them_too(args, tmp_path, fake_repos):
+    """The same refusal after the build (pins that only the build resolves: the base that the
+    Bridge commit's .dev.commit names)."""
+    from types import SimpleNamespace  # noqa: F401
+
     from backport.errors import CheckMismatch
-    from backport.output import _refuse_other_pins
-    from types import SimpleNamespace
 
     run(args + ["--no-trees"], 0)
     lock = json.loads((tmp_path / "out" / output.LOCK).read_text())
-    other = dict(lock["pins"], upstream=fake_repos.side)
+    other = dict(lock["pins"], megatron_bridge=fake_repos.bridge_other, mcore_base=fake_repos.i1)
     with pytest.raises(CheckMismatch) as exc:
-        _refuse_other_pins(SimpleNamespace(manifest={"pins": other}), tmp_path / "out", lock)
-    assert exc.value.message.startswith(f"the pins of this check differ from {tmp_path / 'out' / output.LOCK}: "
-                                        f"upstream {fake_repos.upstream[:12]} in the lock, {fake_repos.side[:12]} "
-                                        "in this check (--upstream)")
-    assert exc.value.hint.startswith(f"To check with the lock's pins: pass --upstream {fake_repos.upstream[:12]} "
-                                     "(the lock's)")
+        output.refuse_other_pins(tmp_path / "out", other)
+    assert exc.value.message.startswith(
+        f"the pins of this check differ from {tmp_path / 'out' / output.LOCK}: megatron_bridge "
+        f"{lock['pins']['megatron_bridge'][:12]} in the lock, {fake_repos.bridge_other[:12]} in this check (--bridge); "
+        f"mcore_base {lock['pins']['mcore_base'][:12]} in the lock, {fake_repos.i1[:12]} in this check (the "
+        ".dev.commit of that Megatron-Bridge commit)")
+
+
+def test_check_with_another_upstream_names_it(args, tmp_path, fake_repos):
+    run(args + ["--no-trees"], 0)
+    result = run(args + ["--check", "--upstream", fake_repos.side], 8)
+    assert first_error(result.stderr).startswith(
+        f"error: the pins of this check differ from {tmp_path / 'out' / output.LOCK}: upstream "
+        f"{fake_repos.upstream[:12]} in the lock, {fake_repos.side[:12]} in this check (--upstream)")
+    assert f"hint: To check with the lock's pins: pass --upstream {fake_repos.upstream[:12]} (the lock's)" \
+        in result.stderr
+
+
+def test_an_offline_cache_entry_of_another_repository_names_where_it_was_cloned_from(args, tmp_path, fake_repos):
+    run(args + ["--no-trees"], 0)
+    cache = tmp_path / "cache"
+    shutil.rmtree(cache / "megatron-lm.git")
+    shutil.copytree(cache / "megatron-bridge.git", cache / "megatron-lm.git")
+    result = run(args + ["--no-trees", "--offline"], 3)
+    error = first_error(result.stderr)
+    assert error.startswith(f"error: megatron-lm: the cache {cache / 'megatron-lm.git'} lacks "), error
+    hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
+    assert f"the entry was cloned from {fake_repos.bridge_repo}, not from {fake_repos.mlm}" in hint
+
+
+# --- other refusals fed by hand ------------------------------------------------------------------
+
+@pytest.mark.parametrize("python, printed", [("/bin/true", "nothing"), ("/bin/echo", "'-W ignore -c import ")])
+def test_a_python_that_does_not_run_the_probe_is_named_not_a_bug_nor_a_pass(args, python, printed):
+    """Hostile trial: --python /bin/true ended in "unexpected IndexError" (exit 1), and
+    --python /bin/echo passed the import check."""
+    result = run(_set(args, "--python", python) + ["--no-trees"], 7)
+    error = first_error(result.stderr)
+    assert error.startswith(f"error: verification check 'imports' failed: --python {python} exited 0 but did not run "
+                            f"the import probe (it printed {printed}"), error
+    assert error.endswith("not the probe's version line): it is not a Python interpreter")
+
+
+def test_check_of_a_folder_with_nothing_in_it_says_so_before_any_work(args, tmp_path):
+    (tmp_path / "out").mkdir()
+    result = run(args + ["--check"], 8)
+    assert first_error(result.stderr).startswith(f"error: nothing to check in {tmp_path / 'out'}: there is no "
+                                                 "manifests/lock.json and no output there")
+    assert "opening sources" not in result.stderr  # refused before the build
+
+
+def test_check_without_the_lock_names_the_lock(args, tmp_path):
+    run(args, 0)
+    (tmp_path / "out" / output.LOCK).unlink()
+    result = run(args + ["--check"], 8)
+    error = first_error(result.stderr)
+    assert "manifests/lock.json (missing)" in error
+    hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
+    assert hint.startswith(f"hint: manifests/lock.json is missing from {tmp_path / 'out'} (the other outputs are "
+                           "there): restore it (`git checkout manifests/lock.json`)")
+
+
+def test_check_of_a_lock_pinning_an_unknown_bridge_names_the_lock(args, tmp_path, fake_repos):
+    run(args + ["--no-trees"], 0)
+    path = tmp_path / "out" / output.LOCK
+    lock = json.loads(path.read_text())
+    lock["pins"]["megatron_bridge"] = "0" * 40
+    path.write_text(json.dumps(lock))
+    result = run(args + ["--check"], 4)
+    assert first_error(result.stderr).startswith(f"error: {path} pins Megatron-Bridge 000000000000, which --check "
+                                                 "takes from it: megatron-bridge: ")
+
+
+def test_a_lock_that_is_a_folder_is_named_not_a_killed_run(args, tmp_path):
+    """Hostile trial: it read "recovering <out> from a killed run failed: Is a directory" (exit 1)."""
+    out = tmp_path / "out"
+    (out / output.LOCK).mkdir(parents=True)
+    for extra, code in (([], 2), (["--check"], 8)):
+        result = run(args + ["--no-trees"] + extra, code)
+        assert first_error(result.stderr) == f"error: {out / output.LOCK} is a folder, not the lock file"
+        assert "killed run" not in result.stderr
+
+
+def test_a_mirror_that_is_not_there_names_where_its_path_came_from(args, tmp_path, monkeypatch):
+    i = args.index("--megatron-lm")
+    monkeypatch.setenv("MEGATRON_LM_REPO", str(tmp_path / "gone"))
+    result = run(args[:i] + args[i + 2:], 3)
+    error = first_error(result.stderr)
+    assert error.startswith(f"error: megatron-lm: clone of {tmp_path / 'gone'} (MEGATRON_LM_REPO) failed: "), error
+    hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
+    assert hint.startswith(f"hint: {tmp_path / 'gone'} does not exist: point --megatron-lm (or MEGATRON_LM_REPO; "
+                           "this value came from MEGATRON_LM_REPO)")
+    (tmp_path / "plain-folder").mkdir()
+    result = run(_set(args, "--megatron-lm", str(tmp_path / "plain-folder")), 3)
+    assert "(--megatron-lm) failed" in first_error(result.stderr)
+    assert f"hint: {tmp_path / 'plain-folder'} is not a git repository: " in result.stderr
+
+
+@pytest.mark.parametrize("journal, problem", [
+    ('{"schema": 1}', "no list of targets"),
+    ("[1, 2]", "not a JSON object"),
+    (None, "target '../../victim.txt' is not an output path"),
+])
+def test_a_journal_this_tool_never_writes_is_named_and_nothing_is_moved(args, tmp_path, journal, problem):
+    """Hostile trial: a journal of the wrong shape ended in "unexpected KeyError" (exit 1), and one
+    naming a target outside --out had that file deleted by the roll-back."""
+    out = tmp_path / "out"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    txn = out / output.TXN
+    txn.mkdir(parents=True)
+    if journal is None:
+        journal = json.dumps({"schema": 1, "targets": ["../../victim.txt"], "existed": {"../../victim.txt": False},
+                              "lock_sha256": "0" * 64})
+    (txn / "journal.json").write_text(journal)
+    result = run(args + ["--no-trees"], 1)
+    assert first_error(result.stderr) == (f"error: the journal {txn / 'journal.json'} of a killed run is not one "
+                                          f"this tool writes ({problem}); nothing was moved")
+    assert victim.read_text() == "keep me\n"
+    shutil.move(txn, tmp_path / "txn-aside")  # the hint's route
+    run(args + ["--no-trees"], 0)
+
+
+def test_check_after_a_recipe_edit_names_the_recipe(args, tmp_path, fake_repos):
+    run(args + ["--no-trees"], 0)
+    data = recipe_data(fake_repos)
+    data["steps"][0]["why"] = "edited after the lock was written"
+    write_recipe(tmp_path / "fake.yaml", data)
+    result = run(args + ["--check"], 8)
+    error = first_error(result.stderr)
+    assert "manifests/lock.json (differs: " in error and "recipe changed (sha256)" in error
+    hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
+    assert hint.startswith("hint: The recipe fake.yaml is not the one manifests/lock.json was written with (sha256 ")

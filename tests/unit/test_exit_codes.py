@@ -108,7 +108,7 @@ CASES = {
     6: (lambda a, t, r: _set(a, "--recipe", _recipe(t, r, _add_existing)), "already exists in the base tree", "apply"),
     7: (lambda a, t, r: _set(a, "--recipe", _recipe(t, r, _add_forbidden)), "verification check 'forbidden_strings'",
         "verification check failed"),
-    8: (lambda a, t, r: a + ["--check"], "outputs on disk differ", "`--check` found differences"),
+    8: (lambda a, t, r: a + ["--check"], "nothing to check in", "`--check` found differences"),
 }
 
 
