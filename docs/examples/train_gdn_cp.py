@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="auto: nccl on GPUs (one rank per GPU), gloo on CPU; gloo on GPUs lets ranks share one "
+                        "(a check, not a training setup: FLA's CP all-gather then needs a gloo-compatible output view)")
     p.add_argument("--save", metavar="DIR", help="write DIR/checkpoint.pt after the last step (rank 0)")
     p.add_argument("--load", metavar="DIR", help="resume from DIR/checkpoint.pt (written at any CP size)")
     return p.parse_args(argv)
@@ -182,16 +185,19 @@ def main(argv=None) -> int:
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if use_cuda and world > torch.cuda.device_count():
+    backend = dist.get_backend() if dist.is_initialized() else args.backend
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    if use_cuda and backend == "nccl" and world > torch.cuda.device_count():
         print(f"error: {world} ranks but {torch.cuda.device_count()} GPUs; NCCL needs one GPU per rank.\n"
               f"hint: torchrun --nproc-per-node {torch.cuda.device_count()} (and a --cp that divides it).",
               file=sys.stderr)
         return 2
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend)
     if args.seq % (2 * args.cp):
         log(f"error: --seq {args.seq} is not divisible by 2 x CP = {2 * args.cp} (each rank takes two zigzag chunks)")
         return 2
