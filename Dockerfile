@@ -15,6 +15,7 @@
 #                            used by pip in this stage only, never in the image
 #   tree/megatron/           pristine assembled tree (build/tree/base/megatron)
 #   app/tests/image/         the image regression suite
+#   app/examples/            the walkthrough's examples (docs/examples; docs/train-with-the-image.md)
 #   app/bin/                 apply-patch.sh, capability_check.py, run-suite.sh,
 #                            tree_digest.py (backport/tree_digest.py, stdlib only)
 #   patch/megatron.patch     patches/latest/megatron.patch

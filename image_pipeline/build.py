@@ -84,6 +84,8 @@ CONTEXT_SCRIPTS = {"app/bin": ("apply-patch.sh", "capability_check.py", "run-sui
 TREE_DIGEST_SCRIPT = Path(td.__file__)
 #: The design decisions the manifest's reasons cite ("decision N"), shipped beside the manifest.
 DECISIONS = Path(__file__).resolve().parent.parent / "docs" / "decisions.md"
+#: The walkthrough's examples (docs/train-with-the-image.md), in the image at /opt/gdn/examples.
+EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
 
 
 def _copy(src: Path, dest: Path) -> None:
@@ -119,7 +121,7 @@ def stage_context(inputs: Inputs, flavour: Flavour, dest: Path, ca_bundle: Optio
 
     Layout (the Dockerfile's header lists it): Dockerfile, deps/ (locks, install
     script, wheels/, optional ca-bundle.crt), tree/megatron/, app/ (tests/image/,
-    bin/ with tree_digest.py), patch/ (patch, manifest.json, manifest.md when beside it,
+    examples/ from docs/examples, bin/ with tree_digest.py), patch/ (patch, manifest.json, manifest.md when beside it,
     decisions.md from docs/, trees.json: the lock's tree fields, ``trees`` or read from
     ``inputs.tree_lock``).
     """
@@ -142,6 +144,7 @@ def stage_context(inputs: Inputs, flavour: Flavour, dest: Path, ca_bundle: Optio
     _copy(TREE_DIGEST_SCRIPT, dest / "app" / "bin" / "tree_digest.py")
     shutil.copytree(inputs.tree / "megatron", dest / "tree" / "megatron", symlinks=True, ignore=ignore)
     shutil.copytree(inputs.tests, dest / "app" / "tests" / "image", symlinks=True, ignore=ignore)
+    shutil.copytree(EXAMPLES, dest / "app" / "examples", symlinks=True, ignore=ignore)
     _copy(inputs.patch, dest / "patch" / "megatron.patch")
     _copy(inputs.manifest, dest / "patch" / "manifest.json")
     # For people reading the image: the manifest's Markdown view (beside the JSON, as tools/backport

@@ -182,7 +182,8 @@ def test_stage_context_layout(inputs, tmp_path):
         f"deps/wheels/{inputs.torch_wheel.name}", "deps/ca-bundle.crt",
         "app/bin/apply-patch.sh", "app/bin/capability_check.py", "app/bin/run-suite.sh",
         "app/bin/tree_digest.py", "app/tests/image/test_x.py", "tree/megatron/core/mod.py",
-        "patch/megatron.patch", "patch/manifest.json", "patch/trees.json", "patch/decisions.md"])
+        "patch/megatron.patch", "patch/manifest.json", "patch/trees.json", "patch/decisions.md",
+        *(f"app/examples/{p.name}" for p in (REPO / "docs" / "examples").glob("*.py"))])
     trees = json.loads((ctx / "patch" / "trees.json").read_text())
     assert (ctx / "patch" / "decisions.md").read_bytes() == (REPO / "docs" / "decisions.md").read_bytes()
     # the manifest's Markdown view travels beside the JSON when tools/backport wrote one

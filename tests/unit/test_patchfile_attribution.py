@@ -96,7 +96,7 @@ def test_an_untracked_line_prefers_a_neighbour_of_its_own_sign():
 
 def test_added_lines_are_counted_as_upstreams_or_ours_by_content():
     """With upstream's lines of the file, each origin's added lines split into lines equal to an
-    upstream line (indentation aside: transforms re-indent) and ours; blank lines are neither."""
+    upstream line (indentation aside: transforms re-indent) and ours (line_class: a blank line has no class)."""
     from backport.upstream_lines import line_class
 
     up = frozenset({"def f():", "return a", "pop()"})
