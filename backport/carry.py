@@ -134,6 +134,8 @@ class Carry:
     source: Path
     raw: bytes
     files: list
+    #: what git apply made of it, by base tree (the determinism run asks again: git runs once)
+    git_reference: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def hunks(self) -> list:
@@ -580,7 +582,9 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
 
 
 def _compare_with_git(carry: Carry, ws: Workspace, base_tree: Path) -> None:
-    ref, message = git_apply_tree(carry, base_tree)
+    if base_tree not in carry.git_reference:
+        carry.git_reference[base_tree] = git_apply_tree(carry, base_tree)
+    ref, message = carry.git_reference[base_tree]
     if ref is None:
         crlf = any(line.startswith(b"diff --git ") and line.endswith(b"\r\n") for line in carry.raw.splitlines(True))
         raise CarryRefused(carry.source, carry.files[0].path if len(carry.files) == 1 else "(patch)",

@@ -9,7 +9,13 @@ Lines are split on ``\\n`` only and keep their ending, so CRLF files and a missi
 newline round-trip byte for byte. Hunks are applied with zero fuzz: context and removed
 lines must match exactly, and only inside the same enclosing class/function as in the
 hunk's source (:func:`enclosing_symbol`); an offset from the header's line number is
-allowed and recorded. :func:`check_tree_path` keeps every path inside the tree root.
+allowed and recorded; a carried hunk whose context matches more than once goes where ``git
+apply`` puts it (the header's line, else the nearest match). :func:`check_tree_path` keeps
+every path inside the tree root.
+
+Symbols and bindings come from one parse per text (:class:`SymbolMap`, :class:`SymbolMaps`,
+:class:`BindingMap`), asked per hunk or line, so a carry costs its hunks plus its lines, not
+their product.
 """
 
 from __future__ import annotations

@@ -546,7 +546,8 @@ def test_profile_trace_parser_raises_value_error_on_malformed_traces(attr, trace
 
 
 @pytest.mark.parametrize("script, holds", [("thd_route", "gdn_context_parallel.py"),
-                                           ("wire_bytes", "gated_delta_net.py")])
+                                           ("wire_bytes", "gated_delta_net.py"),
+                                           ("carry_scaling", "gated_delta_net.py")])
 def test_cpu_benchmarks_refuse_a_tree_without_megatron_saying_how_to_build_it(tmp_path, capsys, script, holds):
     # hostile20 (thd_route) and the 2026-12-03 README trial (wire_bytes): --tree without the
     # module died in an import traceback (exit 1), or timed whichever megatron PYTHONPATH held
