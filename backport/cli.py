@@ -379,15 +379,30 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         else:
             same_day = old_lock is not None and old_lock.get("date") == output.lock_data(build)["date"]
             if same_day and not release:
-                cause = (f"The carried patch ({carry.name}), the recipe, the pins or the tool's code"
-                         if carry else "The recipe, the pins or the tool's code")
-                click.echo(f"lock: {output.LOCK} changed: {'; '.join(changes)}. {cause} changed since the lock "
-                           "was committed (same date); commit the lock to publish these bytes, or "
+                click.echo(f"lock: {output.LOCK} changed: {'; '.join(changes)}. {_lock_cause(old_lock, new_lock, carry)} "
+                           "changed since the lock was committed (same date); commit the lock to publish these bytes, or "
                            f"`git checkout {output.LOCK}` and run again to undo"
                            f"{' (and pass the same --carry to --check)' if carry else ''}.")
             else:
                 click.echo(f"release: {output.LOCK} changed: {'; '.join(changes)}. Commit it to publish this "
                            f"release, or `git checkout {output.LOCK}` and run without --date/--release to undo.")
+
+
+def _lock_cause(old: dict, new: dict, carry: Optional[Path]) -> str:
+    """Which input made a same-day lock change, as far as the two locks tell: the recipe (its
+    sha256), the pins, the carried patch (the patch name carries its digest), else the tool's code."""
+    causes = []
+    if carry is not None and (old.get("patch") or {}).get("name") != new["patch"]["name"]:
+        causes.append(f"The carried patch ({carry.name})")
+    if (old.get("recipe") or {}).get("sha256") != new["recipe"]["sha256"]:
+        causes.append("the recipe")
+    if old.get("pins") != new["pins"]:
+        causes.append("the pins")
+    if not causes:
+        return (f"The carried patch ({carry.name}) or the tool's code" if carry else
+                "Neither the recipe nor the pins changed: the tool's code (or a file it reads at the pins)")
+    text = " and ".join(causes)
+    return text[:1].upper() + text[1:]
 
 
 def _committed_lock(out: Path) -> Optional[dict]:

@@ -453,3 +453,14 @@ def test_check_after_a_recipe_edit_names_the_recipe(args, tmp_path, fake_repos):
     assert "manifests/lock.json (differs: " in error and "recipe changed (sha256)" in error
     hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
     assert hint.startswith("hint: The recipe fake.yaml is not the one manifests/lock.json was written with (sha256 ")
+
+
+def test_a_same_day_lock_change_names_the_input_that_changed(args, tmp_path, fake_repos):
+    """Hostile trial: every same-day change blamed "the recipe, the pins or the tool's code"."""
+    run(args + ["--no-trees"], 0)
+    data = recipe_data(fake_repos)
+    data["steps"][0]["why"] = "edited after the lock was written"
+    write_recipe(tmp_path / "fake.yaml", data)
+    result = run(args + ["--no-trees"], 0)
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("lock: ")]
+    assert ". The recipe changed since the lock was committed (same date)" in line, line
