@@ -145,7 +145,7 @@ def _save_traceback(exc: BaseException, places: list) -> Optional[Path]:
 @click.option("--release", is_flag=True, help="Make a new dated release: date today (UTC) unless --date or SOURCE_DATE_EPOCH says otherwise; says what changed in manifests/lock.json.")
 @click.option("--out", type=click.Path(file_okay=False), default=str(REPO_ROOT), show_default=True, help="Output root (patches/, manifests/lock.json, build/tree/); not inside the patches/, build/tree/ or build/.gdn/ of another output root; no output path below it may be a symbolic link.")
 @click.option("--allow-pin-mismatch", is_flag=True, help="Accept an MCore base that differs from the Bridge's .dev.commit.")
-@click.option("--no-import-check", is_flag=True, help="Skip the import check (recorded as SKIPPED in the manifest).")
+@click.option("--no-import-check", is_flag=True, help="Skip the import check (recorded as SKIPPED in the manifest): the outputs are written but the lock is left alone (a lock states that every check ran); with --check, compare the rest.")
 @click.option("--python", "python", default=sys.executable, show_default=True, help="Interpreter for the import check (needs torch, triton==3.6.0, FLA 0.4.2); checked before any work.")
 @click.option("--no-trees", is_flag=True, help="Do not write build/tree/base and build/tree/patched.")
 @click.option("--dry-run", is_flag=True, help="Run and verify everything, write the outputs to a scratch dir only and print its path.")
