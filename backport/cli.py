@@ -343,7 +343,8 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
             what, sha = named[0]
             raise PinError(f"{out / output.LOCK} pins {what} {sha[:12]}, which --check takes from it: {exc.message}",
                            hint=f"Restore the lock (`git checkout {output.LOCK}`) if it was edited; else point "
-                                f"--megatron-bridge at a mirror that has {sha[:12]}, then --check again.") from exc
+                                f"--{'megatron-bridge' if what == 'Megatron-Bridge' else 'megatron-lm'} at a mirror "
+                                f"that has {sha[:12]}, then --check again.") from exc
         out_console = Console(width=200)
         if check:
             step["now"] = f"comparing with the outputs in {out}"
