@@ -7,9 +7,7 @@ asserts the exit code and the culprit named in the first ``error:`` line.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -312,8 +310,6 @@ def test_check_with_another_bridge_names_the_pin_and_the_locks_value_first(args,
 def test_check_of_a_build_on_other_pins_names_them_too(args, tmp_path, fake_repos):
     """The same refusal after the build (pins that only the build resolves: the base that the
     Bridge commit's .dev.commit names)."""
-    from types import SimpleNamespace  # noqa: F401
-
     from backport.errors import CheckMismatch
 
     run(args + ["--no-trees"], 0)
