@@ -148,7 +148,7 @@ def _save_traceback(exc: BaseException, places: list) -> Optional[Path]:
 @click.option("--release", is_flag=True, help="Make a new dated release: date today (UTC) unless --date or SOURCE_DATE_EPOCH says otherwise; says what changed in manifests/lock.json.")
 @click.option("--out", type=click.Path(file_okay=False), default=str(REPO_ROOT), show_default=True, help="Output root (patches/, manifests/lock.json, build/tree/); not inside the patches/, build/tree/ or build/.gdn/ of another output root; no output path below it may be a symbolic link.")
 @click.option("--allow-pin-mismatch", is_flag=True, help="Accept an MCore base that differs from the Bridge's .dev.commit.")
-@click.option("--no-import-check", is_flag=True, help="Skip the import check (recorded as SKIPPED in the manifest).")
+@click.option("--no-import-check", is_flag=True, help="Skip the import check (recorded as SKIPPED in the manifest): the outputs are written but the lock is left alone (a lock states that every check ran); with --check, compare the rest.")
 @click.option("--python", "python", default=sys.executable, show_default=True, help="Interpreter for the import check (needs torch, triton==3.6.0, FLA 0.4.2); checked before any work.")
 @click.option("--no-trees", is_flag=True, help="Do not write build/tree/base and build/tree/patched.")
 @click.option("--dry-run", is_flag=True, help="Run and verify everything, write the outputs to a scratch dir only and print its path.")
@@ -349,7 +349,8 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
             what, sha = named[0]
             raise PinError(f"{out / output.LOCK} pins {what} {sha[:12]}, which --check takes from it: {exc.message}",
                            hint=f"Restore the lock (`git checkout {output.LOCK}`) if it was edited; else point "
-                                f"--megatron-bridge at a mirror that has {sha[:12]}, then --check again.") from exc
+                                f"--{'megatron-bridge' if what == 'Megatron-Bridge' else 'megatron-lm'} at a mirror "
+                                f"that has {sha[:12]}, then --check again.") from exc
         out_console = Console(width=200)
         if check:
             step["now"] = f"comparing with the outputs in {out}"
@@ -385,15 +386,30 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         else:
             same_day = old_lock is not None and old_lock.get("date") == output.lock_data(build)["date"]
             if same_day and not release:
-                cause = (f"The carried patch ({carry.name}), the recipe, the pins or the tool's code"
-                         if carry else "The recipe, the pins or the tool's code")
-                click.echo(f"lock: {output.LOCK} changed: {'; '.join(changes)}. {cause} changed since the lock "
-                           "was committed (same date); commit the lock to publish these bytes, or "
+                click.echo(f"lock: {output.LOCK} changed: {'; '.join(changes)}. {_lock_cause(old_lock, new_lock, carry)} "
+                           "changed since the lock was committed (same date); commit the lock to publish these bytes, or "
                            f"`git checkout {output.LOCK}` and run again to undo"
                            f"{' (and pass the same --carry to --check)' if carry else ''}.")
             else:
                 click.echo(f"release: {output.LOCK} changed: {'; '.join(changes)}. Commit it to publish this "
                            f"release, or `git checkout {output.LOCK}` and run without --date/--release to undo.")
+
+
+def _lock_cause(old: dict, new: dict, carry: Optional[Path]) -> str:
+    """Which input made a same-day lock change, as far as the two locks tell: the recipe (its
+    sha256), the pins, the carried patch (the patch name carries its digest), else the tool's code."""
+    causes = []
+    if carry is not None and (old.get("patch") or {}).get("name") != new["patch"]["name"]:
+        causes.append(f"The carried patch ({carry.name})")
+    if (old.get("recipe") or {}).get("sha256") != new["recipe"]["sha256"]:
+        causes.append("the recipe")
+    if old.get("pins") != new["pins"]:
+        causes.append("the pins")
+    if not causes:
+        return (f"The carried patch ({carry.name}) or the tool's code" if carry else
+                "Neither the recipe nor the pins changed: the tool's code (or a file it reads at the pins)")
+    text = " and ".join(causes)
+    return text[:1].upper() + text[1:]
 
 
 def _committed_lock(out: Path) -> Optional[dict]:

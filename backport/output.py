@@ -608,7 +608,7 @@ def check(build, root: Path, warn: Callable[[str], None] = _stderr) -> dict[str,
     equal, or all be absent, as in a fresh clone where only the lock is committed: the lock
     holds the patch's and the manifest's sha256, so comparing it compares them.
 
-    Pins (and the recipe) that differ from the lock's are named first, alone: every output
+    Pins that differ from the lock's are named first, alone: every output
     differs with them, so nothing else is compared or warned about.
 
     A build that skipped a check (``--no-import-check``) compares what it can: the skipped

@@ -97,7 +97,10 @@ def test_verification_passed(build):
 
 def test_write_then_check_is_byte_identical(build, tmp_path):
     output.write(build, tmp_path, trees=True)
-    assert output.check(build, tmp_path)
+    if HAVE_FLA:
+        assert output.check(build, tmp_path)
+    else:  # the import check was skipped: a lock states that every check ran, so none is written
+        assert not (tmp_path / output.LOCK).exists()
     assert (tmp_path / "patches/latest/megatron.patch").read_bytes() == build.patch
     assert (tmp_path / "build/tree/patched/megatron/core/ssm/gdn_context_parallel.py").exists()
     assert not (tmp_path / "build/tree/base/megatron/core/ssm/gdn_context_parallel.py").exists()

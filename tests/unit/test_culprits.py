@@ -7,9 +7,7 @@ asserts the exit code and the culprit named in the first ``error:`` line.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -312,8 +310,6 @@ def test_check_with_another_bridge_names_the_pin_and_the_locks_value_first(args,
 def test_check_of_a_build_on_other_pins_names_them_too(args, tmp_path, fake_repos):
     """The same refusal after the build (pins that only the build resolves: the base that the
     Bridge commit's .dev.commit names)."""
-    from types import SimpleNamespace  # noqa: F401
-
     from backport.errors import CheckMismatch
 
     run(args + ["--no-trees"], 0)
@@ -453,3 +449,14 @@ def test_check_after_a_recipe_edit_names_the_recipe(args, tmp_path, fake_repos):
     assert "manifests/lock.json (differs: " in error and "recipe changed (sha256)" in error
     hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
     assert hint.startswith("hint: The recipe fake.yaml is not the one manifests/lock.json was written with (sha256 ")
+
+
+def test_a_same_day_lock_change_names_the_input_that_changed(args, tmp_path, fake_repos):
+    """Hostile trial: every same-day change blamed "the recipe, the pins or the tool's code"."""
+    run(args + ["--no-trees"], 0)
+    data = recipe_data(fake_repos)
+    data["steps"][0]["why"] = "edited after the lock was written"
+    write_recipe(tmp_path / "fake.yaml", data)
+    result = run(args + ["--no-trees"], 0)
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("lock: ")]
+    assert ". The recipe changed since the lock was committed (same date)" in line, line
