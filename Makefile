@@ -22,6 +22,9 @@ endef
 # CPU torch for checks and the CPU suite (this machine kind has the 2.13.0 CPU wheel locally).
 TORCH_SPEC ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml requirements/verify.txt
+	@if [ -L $(VENV) ] || { [ -e $(VENV) ] && [ ! -d $(VENV) ]; }; then \
+	  echo "error: $(VENV) is a link or a file, and $(VENV)/.installed is older than pyproject.toml or requirements/verify.txt (or missing): make would rebuild it" >&2; \
+	  echo "hint: keep the shared venv: run \`make -o $(VENV)/.installed <target>\`, or remove the link and run make again to build a venv here" >&2; exit 2; fi
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q '$(TORCH_SPEC)'
 	$(PY) -m pip install -q -e '.[test,image,bench]' -r requirements/verify.txt '$(TORCH_SPEC)'
@@ -66,9 +69,9 @@ test-unit: venv  ## Quick check: unit tests without Docker, mirrors or network; 
 test-image: venv
 	$(PYTEST) tests/image -q -rs $(call junit,image)
 
-check: venv  ## While editing (a few minutes): unit tests up to the first failure, then `make check-patch`.
+check: venv  ## While editing (a few minutes): unit tests up to the first failure, then what `make check-patch` runs.
 	$(PYTEST) tests/unit -q -x
-	@$(MAKE) --no-print-directory check-patch
+	@$(call tool,$(PY) tools/backport --check --python $(abspath $(PY)))
 
 # .ci/run splits `make test` in two around the image gate, so that nothing runs twice:
 # test-host runs while the image builds: unit (no Docker) + integration, and the real-FLA CPU
