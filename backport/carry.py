@@ -600,8 +600,10 @@ def _compare_with_git(carry: Carry, ws: Workspace, base_tree: Path) -> None:
             detail = "file absent in one of them" if (want is None) != (have is None) else _first_difference(want[0], have)
             raise CarryRefused(carry.source, path, "git-apply-differs",
                                f"the tool's result differs from git apply's ({detail})",
-                               hint="Give the hunks of this file more context (git diff -U5) so that they can be "
-                                    "placed only one way, or drop the file from the carried patch.")
+                               hint="git apply places this file's hunks elsewhere: regenerate them with `git diff` "
+                                    "against build/tree/base's file (docs/carry.md), or correct a hand-edited @@ "
+                                    "line; if their context repeats in the file, widen it past the repeat "
+                                    "(git diff -U<n>); or drop the file from the carried patch.")
         if want is not None and state.mode and state.mode != want[1]:
             raise CarryRefused(carry.source, path, "git-apply-differs", f"mode {state.mode} vs git's {want[1]}")
 
