@@ -61,7 +61,7 @@ junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/junit-$(1).xml)
 .PHONY: test-host test-gated check
 
 test: venv  ## Everything: unit tests (Docker tests included), integration (real mirrors), CPU image suite.
-	GDN_DOCKER_TESTS=1 $(PYTEST) tests -q -rs $(call junit,test)
+	GDN_GATE_CASES= GDN_DOCKER_TESTS=1 $(PYTEST) tests -q -rs $(call junit,test)
 
 test-unit: venv  ## Quick check: unit tests without Docker, mirrors or network; prints skip reasons.
 	$(PYTEST) tests/unit -q -rs $(call junit,unit)
@@ -80,8 +80,8 @@ check: venv  ## While editing (a few minutes): unit tests up to the first failur
 # tests/conftest.py). Together they run what `make test` runs.
 GATE_CASES ?= $(CI_REPORTS)/gate-report-cases.json
 test-host: venv  ## CI, part 1: unit tests but the Docker ones, integration tests, the real-FLA CPU tier.
-	$(PYTEST) tests/unit tests/integration -q -rs --ignore=tests/unit/test_image_docker.py $(call junit,host)
-	$(PYTEST) tests/image -q -rs -m fla_interpret $(call junit,fla)
+	GDN_GATE_CASES= $(PYTEST) tests/unit tests/integration -q -rs --ignore=tests/unit/test_image_docker.py $(call junit,host)
+	GDN_GATE_CASES= $(PYTEST) tests/image -q -rs -m fla_interpret $(call junit,fla)
 
 test-gated: venv  ## CI, part 2 (after `make gate`): the Docker tests, tests/image less what passed in the gate.
 	GDN_DOCKER_TESTS=1 GDN_GATE_CASES=$(abspath $(GATE_CASES)) $(PYTEST) tests/unit/test_image_docker.py tests/image \

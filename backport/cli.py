@@ -195,10 +195,12 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
             err.print_exception()
         click.echo(f"error: {exc.message}\nhint: {exc.hint}", err=True)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo(f"error: interrupted while {step['now']}\nhint: Run the same command again; a switch of outputs "
-                   "cut short is finished or rolled back by the next run.", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        code = 143 if isinstance(exc, Terminated) else 130
+        click.echo(f"error: {'terminated (SIGTERM)' if code == 143 else 'interrupted'} while {step['now']}\n"
+                   "hint: Run the same command again; a switch of outputs cut short is finished or rolled back by "
+                   "the next run.", err=True)
+        sys.exit(code)
     except Exception as exc:  # noqa: BLE001 - the one top-level handler: one line, a hint, no traceback
         from .errors import describe_unexpected
         from .cache import default_cache_dir
@@ -479,9 +481,21 @@ def _ascii_safe_streams() -> None:
             stream.reconfigure(errors="backslashreplace")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that ``finally`` blocks and context managers run (the
+    import check's interpreter is stopped, temporary folders go): exit 143."""
+
+
+def _raise_terminated(_signum, _frame):
+    raise Terminated()
+
+
 def main(argv: Optional[list] = None) -> None:
     """Entry point of ``tools/backport`` and the ``gdn-backport`` script."""
     _ascii_safe_streams()
+    import signal
+
+    signal.signal(signal.SIGTERM, _raise_terminated)
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["annotate"]:  # the one subcommand: the patch with each line's provenance
         from .annotate import main as annotate_main

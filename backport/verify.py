@@ -121,9 +121,13 @@ class VerifyTree:
                 env={**os.environ, "PYTHONPATH": str(self.tree), "PYTHONDONTWRITEBYTECODE": "1",
                      "CUDA_VISIBLE_DEVICES": ""})
 
-    def import_result(self) -> "tuple[int, str, str]":
-        """``(exit code, stdout, stderr)`` of the import check, waiting for it to finish."""
-        rc = self.proc.wait()
+    def import_result(self, timeout_s: float) -> "tuple[int, str, str]":
+        """``(exit code, stdout, stderr)`` of the import check, waiting at most ``timeout_s`` seconds.
+
+        Raises:
+            subprocess.TimeoutExpired: it did not finish in time (:meth:`close` stops it).
+        """
+        rc = self.proc.wait(timeout=timeout_s)
         self._out.seek(0)
         self._err.seek(0)
         return rc, self._out.read(), self._err.read()
@@ -182,10 +186,9 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress,
     count = 0
     for path in sorted((tree / "megatron").rglob("*.py")):
         rel = path.relative_to(tree).as_posix()
-        if base_errors is not None and rel not in changed_files:
-            if rel in base_errors:
-                _fail("byte_compiles", f"{rel}:{base_errors[rel]}")
-        else:
+        if base_errors is not None and rel not in changed_files and rel not in base_errors:
+            pass  # the base's bytes, recorded as compiling
+        else:  # changed by the patch, or recorded as failing: the verdict is this compile's, never the record's
             try:
                 compile(path.read_bytes(), rel, "exec", dont_inherit=True)
             except SyntaxError as exc:
@@ -216,7 +219,13 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress,
 
     if vtree.proc is not None:
         progress("import check")
-        returncode, stdout, stderr = vtree.import_result()
+        limit = float(os.environ.get("GDN_IMPORT_CHECK_TIMEOUT", "900"))
+        try:
+            returncode, stdout, stderr = vtree.import_result(limit)
+        except subprocess.TimeoutExpired:
+            _fail("imports", f"the import check with {opts.python} did not finish in {limit:.0f} s (stopped)",
+                  hint="Check that --python is a Python interpreter that imports torch quickly, or raise the limit "
+                       "(GDN_IMPORT_CHECK_TIMEOUT=seconds), or pass --no-import-check (the lock is then left alone).")
         if returncode < 0:
             _fail("imports", f"the import check's interpreter {opts.python} was killed by signal {-returncode} "
                              "(out of memory, or stopped from outside)",

@@ -41,8 +41,8 @@ def read_steps(reports: Path) -> dict:
     steps = {}
     path = reports / "steps.tsv"
     if not path.is_file():
-        raise SystemExit(f"error: {path} is missing; run `bash .ci/run` first (it writes the step table)")
-    for line in path.read_text(encoding="utf-8").splitlines():
+        raise SystemExit(f"error: {path} is missing or not a file; run `bash .ci/run` first (it writes the step table)")
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         parts = line.split("\t")
         if len(parts) != 3 or not parts[1].strip().isdigit():
             continue
@@ -50,16 +50,33 @@ def read_steps(reports: Path) -> dict:
     return steps
 
 
+def _junit(xml: Path) -> dict:
+    """The JUnit file's records, or {} with a warning when it is unreadable (a run cut short)."""
+    try:
+        return junit_records(xml.read_text(encoding="utf-8", errors="replace"))
+    except Exception as exc:  # noqa: BLE001 - a truncated file from a killed run: say so, go on
+        print(f"warning: {xml} is unreadable ({exc}); its tests are left out of the figures", file=sys.stderr)
+        return {}
+
+
+def _gate_cases(reports: Path) -> dict:
+    path = reports / "gate-report-cases.json"
+    try:
+        cases = json.loads(path.read_text(encoding="utf-8")).get("cases", {}) if path.is_file() else {}
+        return {k: v for k, v in cases.items() if isinstance(v, dict)} if isinstance(cases, dict) else {}
+    except (OSError, ValueError, AttributeError) as exc:
+        print(f"warning: {path} is unreadable ({exc}); the gate's tests are left out of the figures", file=sys.stderr)
+        return {}
+
+
 def slowest_tests(reports: Path, top: int = 25) -> list:
     """``[[test id, seconds], ...]``, the ``top`` slowest across the run's JUnit XML files."""
     seen = []
     for xml in sorted(reports.glob("junit-*.xml")):
-        for tid, case in junit_records(xml.read_text(encoding="utf-8", errors="replace")).items():
+        for tid, case in _junit(xml).items():
             seen.append((tid, case["seconds"]))
-    cases = reports / "gate-report-cases.json"
-    if cases.is_file():
-        for tid, case in json.loads(cases.read_text(encoding="utf-8")).get("cases", {}).items():
-            seen.append((f"gate::{tid}", case.get("seconds", 0.0)))
+    for tid, case in _gate_cases(reports).items():
+        seen.append((f"gate::{tid}", case.get("seconds", 0.0)))
     seen.sort(key=lambda item: (-item[1], item[0]))
     return [[tid, round(s, 1)] for tid, s in seen[:top]]
 
@@ -68,11 +85,11 @@ def counts(reports: Path) -> dict:
     """Passed/skipped/failed test cases per JUnit file of the run, and the gate's."""
     out = {}
     for xml in sorted(reports.glob("junit-*.xml")):
-        outcomes = [c["outcome"] for c in junit_records(xml.read_text(encoding="utf-8", errors="replace")).values()]
+        outcomes = [c["outcome"] for c in _junit(xml).values()]
         out[xml.stem[len("junit-"):]] = {k: outcomes.count(k) for k in ("passed", "skipped", "failed", "error")}
-    cases = reports / "gate-report-cases.json"
-    if cases.is_file():
-        outcomes = [c["outcome"] for c in json.loads(cases.read_text(encoding="utf-8")).get("cases", {}).values()]
+    gate = _gate_cases(reports)
+    if gate:
+        outcomes = [c.get("outcome") for c in gate.values()]
         out["gate"] = {k: outcomes.count(k) for k in ("passed", "skipped", "failed", "error")}
     return out
 
@@ -159,6 +176,8 @@ def main(argv=None) -> int:
     if args.cmd == "record":
         return record(args)
     if args.cmd == "write":
+        if args.total < 0:
+            parser.error("--total is the run's seconds, 0 or more")
         write(figures(args.reports, args.commit, args.total, os.cpu_count() or 0), Path(args.out))
         return 0
     for name, row in read_steps(args.reports).items():

@@ -290,6 +290,9 @@ def check_lock(flavour, fla, lock_path):
         versions = [fla]
     checks = [(Path(lock_path) if lock_path else flavour_lock(flavour, v), target_for(flavour, v)) for v in versions]
     for (path, _target), v in zip(checks, versions):
+        if lock_path and not path.is_file():
+            raise InputError(f"--lock {lock_path} is not a lock file", hint="Pass --lock the path of a "
+                             "requirements lock (docker/requirements-*.lock), or leave it out to check the flavour's.")
         if not path.is_file():
             raise InputError(f"the {flavour} lock for FLA {v} is missing: {path}",
                              hint=f"Make it with `tools/image lock --flavour {flavour} --fla {v}` (needs PyPI) and "

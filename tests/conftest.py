@@ -29,6 +29,8 @@ def _gate_cases(path: Path) -> dict:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         cases = record["cases"]
+        if not isinstance(cases, dict) or not all(isinstance(v, dict) for v in cases.values()):
+            raise TypeError("'cases' is not a mapping of test id to outcome records")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise pytest.UsageError(f"{ENV}={path}: not a gate cases record ({exc}); {hint}") from None
     if not PATCH.is_file():

@@ -131,8 +131,9 @@ def test_a_record_of_another_suite_is_refused(tmp_path):
 def test_an_unreadable_record_is_refused_and_unset_changes_nothing(tmp_path):
     root = _project(tmp_path)
     bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    run = _pytest(root, "tests", GDN_GATE_CASES=str(bad))
-    assert run.returncode == 4 and "not a gate cases record" in run.stderr
+    for text in ("{not json", '{"cases": []}', '{"cases": {"test_mod::test_plain": "passed"}}'):
+        bad.write_text(text)
+        run = _pytest(root, "tests", GDN_GATE_CASES=str(bad))
+        assert run.returncode == 4 and "not a gate cases record" in run.stderr, (text, run.stderr)
     plain = _pytest(root, "tests")
     assert plain.returncode == 0 and "7 passed" in plain.stdout

@@ -601,8 +601,10 @@ def _stub_python(tmp_path, body: str):
 @pytest.mark.parametrize("body, words", [
     ("echo 'ModuleNotFoundError: No module named fla' >&2; exit 1", "do not import with"),
     ("kill -9 $$", "was killed by signal 9"),
+    ("exec sleep 60", "did not finish in 1 s (stopped)"),
 ])
-def test_import_check_runs_beside_the_determinism_run_and_its_failure_is_named(tmp_path, fake_repos, body, words):
+def test_import_check_runs_beside_the_determinism_run_and_its_failure_is_named(tmp_path, fake_repos, body, words,
+                                                                              monkeypatch):
     """The import check starts in a second interpreter while this process verifies
     (backport.verify.VerifyTree); its failure, or its death by a signal, still fails the run
     with exit 7 naming the interpreter, and nothing is written."""
@@ -610,9 +612,26 @@ def test_import_check_runs_beside_the_determinism_run_and_its_failure_is_named(t
     data["import_check"] = ["megatron.core.ssm.gated_delta_net"]
     path = write_recipe(tmp_path / "fake.yaml", data)
     python = _stub_python(tmp_path, body)
+    monkeypatch.setenv("GDN_IMPORT_CHECK_TIMEOUT", "1")
     opts = Options(recipe=path, megatron_lm=str(fake_repos.mlm), megatron_bridge=str(fake_repos.bridge_repo),
                    cache_dir=tmp_path / "cache", date="20260102", import_check=True, python=python)
     with pytest.raises(VerificationError) as info:
         build(opts)
     assert "verification check 'imports' failed" in info.value.message and words in info.value.message
     assert python in info.value.message and info.value.exit_code == 7
+
+
+def test_a_compile_record_that_blames_a_good_base_file_is_not_believed(built, fake_repos):
+    """byte_compiles takes only 'compiles' from the base tree's record: a file the record says
+    fails is compiled again, and the verdict is that compile's."""
+    b, opts = built
+    record = next(b.base_tree.glob(".compile-*.json"))
+    data = json.loads(record.read_text())
+    changed = {f["path"] for f in b.manifest["files"]}
+    unchanged = sorted(p.relative_to(b.base_tree).as_posix() for p in (b.base_tree / "megatron").rglob("*.py")
+                       if p.relative_to(b.base_tree).as_posix() not in changed)
+    assert unchanged
+    data["errors"] = {unchanged[0]: "1: invalid syntax (planted)"}
+    record.write_text(json.dumps(data))
+    again = build(opts)
+    assert {c["check"]: c["ok"] for c in again.manifest["verification"]}["byte_compiles"]

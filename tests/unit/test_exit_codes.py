@@ -92,7 +92,7 @@ def test_the_readme_table_lists_exactly_the_codes_the_tool_uses():
         for obj in vars(module).values():
             if isinstance(obj, type) and issubclass(obj, errors.PipelineError):
                 classes.setdefault(obj.exit_code, set()).add(obj.__name__)
-    assert set(table) == set(classes) | {0, 130}, (sorted(table), sorted(classes))
+    assert set(table) == set(classes) | {0, 130, 143}, (sorted(table), sorted(classes))  # 130 ^C, 143 SIGTERM
     assert all(table[code].startswith("image:") for code in range(9, 15))
     for name, code in {"DockerUnavailable": 10, "DiskSpaceError": 11, "GateFailed": 12, "InputError": 13,
                        "BaseImageMissing": 14, "BuildStepFailed": 9}.items():
@@ -393,3 +393,31 @@ def test_a_corrupt_lock_is_a_usage_error_in_a_plain_run_and_a_release_replaces_i
     released = _invoke(plain + ["--no-trees", "--release"], env={"SOURCE_DATE_EPOCH": "1767398400"})
     assert released.exit_code == 0, released.output
     assert output.lock_date(tmp_path / "out") == "2026-01-03"
+
+
+def test_sigterm_during_the_import_check_exits_143_and_leaves_no_child(tmp_path, base_args):
+    """SIGTERM while the import check's interpreter runs: exit 143 naming the step, and the
+    interpreter and the verify folder are gone (VerifyTree is left through its context manager)."""
+    import signal
+    import time
+
+    hang = tmp_path / "hang-python"
+    marker = tmp_path / "hang.pid"
+    hang.write_text(f"#!/bin/sh\necho $$ > {marker}\nexec sleep 300\n")
+    hang.chmod(0o755)
+    args = [a if a != STUB_PYTHON else str(hang) for a in base_args]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools/backport"), *args], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, env=env)
+    for _ in range(600):
+        if marker.exists() and marker.read_text().strip():
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "error: terminated (SIGTERM) while " in err
+    child = int(marker.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+    assert not list(tmp_path.glob("gdn-verify-*"))
