@@ -70,3 +70,17 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
     config.get_terminal_writer().line(
         f"{ENV}: left out {len(done)} tests of tests/image that passed in the image gate ({path})")
+
+
+@pytest.fixture(scope="session")
+def real_cache(tmp_path_factory):
+    """One backport cache for the integration tests of a session (tests/integration).
+
+    Each module used to clone both real mirrors into a fresh cache of its own (a cold clone of
+    Megatron-LM is the slowest part of a build); no integration test asserts anything about a cold
+    cache (tests/unit covers cold, warm, offline and damaged caches on small repositories), so the
+    session shares one, filled by the first build that needs it. (Here and not in a
+    tests/integration/conftest.py: a second module named ``conftest`` on sys.path would shadow
+    tests/unit/conftest.py, which unit tests import from.)
+    """
+    return tmp_path_factory.mktemp("real-mirrors-cache")
