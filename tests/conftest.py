@@ -1,5 +1,7 @@
-"""What runs twice, runs once: the host's pytest leaves out the image suite's tests that passed in
-the image gate (.ci/run's ``test-gated`` step).
+"""Shared by every test folder: what runs twice runs once, and one cache for the integration tests.
+
+The host's pytest leaves out the image suite's tests that passed in the image gate (.ci/run's
+``test-gated`` step); ``real_cache`` (below) is the integration tests' session-wide cache.
 
 ``GDN_GATE_CASES=PATH`` names the gate's per-test record (``build/ci/gate-report-cases.json``,
 written by ``tools/image gate``; :func:`image_pipeline.gate.cases_record`). Every collected test
