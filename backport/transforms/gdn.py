@@ -276,33 +276,43 @@ gdn_context_parallel.check_linear_cp_geometry(
 '''
 
 
-@register("gdn_init_check_linear_cp")
-def gdn_init_check_linear_cp(text: str, path: str = "gated_delta_net.py") -> Result:
-    """In ``GatedDeltaNet.__init__``, check mode and head rule right after
-    ``self.v_dim_local_tp`` is set (before any parameter is built)."""
+def _insert_init_check(text: str, path: str, after, anchor: str, snippet: str, call: str, what: str) -> Result:
+    """Insert ``snippet`` (one statement calling ``call``) into ``GatedDeltaNet.__init__`` right
+    after the first statement ``after(statement)`` accepts; ``anchor`` names that statement in the
+    error when it is missing. An existing call of ``call`` in the recipe's form is already-present;
+    in another form it is refused (BindingExists: the layer would ``what`` twice, differently)."""
     module = parse(text, path)
     cls = find_class(module, "GatedDeltaNet", path)
     init = find_function(cls.body.body, "__init__", f"{path}: GatedDeltaNet")
     body = list(init.body.body)
-    idx = next((i for i, s in enumerate(body) if _is_self_assign(s, "v_dim_local_tp")), None)
+    idx = next((i for i, st in enumerate(body) if after(st)), None)
     if idx is None:
-        raise ApplyError(f"{path}: anchor `self.v_dim_local_tp = ...` in GatedDeltaNet.__init__ not found.")
-    new = statements(GDN_INIT_CHECK)
-    existing = next((st for st in body if m.findall(st, m.Call(func=m.Attribute(attr=m.Name("check_linear_cp_geometry"))
-                                                               | m.Name("check_linear_cp_geometry")))), None)
+        raise ApplyError(f"{path}: anchor {anchor} in GatedDeltaNet.__init__ not found.")
+    new = statements(snippet)
+    matcher = m.Call(func=m.Attribute(attr=m.Name(call)) | m.Name(call))
+    existing = next((st for st in body if m.findall(st, matcher)), None)
     if existing is not None:
         if _normalised(code_of(existing, module)) == _normalised(code_of(new[0], module)):
             return Result(text, "already-present")
         raise BindingExists(
-            f"{path}: GatedDeltaNet.__init__ already calls check_linear_cp_geometry "
+            f"{path}: GatedDeltaNet.__init__ already calls {call} "
             f"({code_of(existing, module).strip().splitlines()[-1]!r}, line {_line_of(module, existing)}) in "
-            "another form; the transform would check the CP mode twice, differently.",
-            scope="GatedDeltaNet.__init__", name="check_linear_cp_geometry", lineno=_line_of(module, existing),
+            f"another form; the transform would {what} twice, differently.",
+            scope="GatedDeltaNet.__init__", name=call, lineno=_line_of(module, existing),
             hint="Drop the check from the carried patch (the recipe adds it), or give it the recipe's exact form.")
     new[0] = _blank_line_before(new[0])
     body[idx + 1:idx + 1] = new
     new_init = init.with_changes(body=init.body.with_changes(body=body))
     return Result(replace_node(module, init, new_init, path).code)
+
+
+@register("gdn_init_check_linear_cp")
+def gdn_init_check_linear_cp(text: str, path: str = "gated_delta_net.py") -> Result:
+    """In ``GatedDeltaNet.__init__``, check mode and head rule right after
+    ``self.v_dim_local_tp`` is set (before any parameter is built)."""
+    return _insert_init_check(text, path, lambda st: _is_self_assign(st, "v_dim_local_tp"),
+                              "`self.v_dim_local_tp = ...`", GDN_INIT_CHECK, "check_linear_cp_geometry",
+                              "check the CP mode")
 
 
 GDN_FLA_VERSION_CHECK = '''
@@ -315,30 +325,9 @@ gdn_context_parallel.check_fla_version()
 def gdn_init_check_fla_version(text: str, path: str = "gated_delta_net.py") -> Result:
     """In ``GatedDeltaNet.__init__``, right after the ``if not HAVE_FLA: raise ...`` check,
     refuse an FLA release outside ``gdn_context_parallel.SUPPORTED_FLA_VERSIONS``."""
-    module = parse(text, path)
-    cls = find_class(module, "GatedDeltaNet", path)
-    init = find_function(cls.body.body, "__init__", f"{path}: GatedDeltaNet")
-    body = list(init.body.body)
     have_fla = m.If(test=m.UnaryOperation(operator=m.Not(), expression=m.Name("HAVE_FLA")))
-    idx = next((i for i, st in enumerate(body) if m.matches(st, have_fla)), None)
-    if idx is None:
-        raise ApplyError(f"{path}: anchor `if not HAVE_FLA:` in GatedDeltaNet.__init__ not found.")
-    new = statements(GDN_FLA_VERSION_CHECK)
-    call = m.Call(func=m.Attribute(attr=m.Name("check_fla_version")) | m.Name("check_fla_version"))
-    existing = next((st for st in body if m.findall(st, call)), None)
-    if existing is not None:
-        if _normalised(code_of(existing, module)) == _normalised(code_of(new[0], module)):
-            return Result(text, "already-present")
-        raise BindingExists(
-            f"{path}: GatedDeltaNet.__init__ already calls check_fla_version "
-            f"({code_of(existing, module).strip().splitlines()[-1]!r}, line {_line_of(module, existing)}) in "
-            "another form; the transform would check the FLA version twice, differently.",
-            scope="GatedDeltaNet.__init__", name="check_fla_version", lineno=_line_of(module, existing),
-            hint="Drop the check from the carried patch (the recipe adds it), or give it the recipe's exact form.")
-    new[0] = _blank_line_before(new[0])
-    body[idx + 1:idx + 1] = new
-    new_init = init.with_changes(body=init.body.with_changes(body=body))
-    return Result(replace_node(module, init, new_init, path).code)
+    return _insert_init_check(text, path, lambda st: m.matches(st, have_fla), "`if not HAVE_FLA:`",
+                              GDN_FLA_VERSION_CHECK, "check_fla_version", "check the FLA version")
 
 
 @register("gdn_linear_cp_forward")
