@@ -151,6 +151,10 @@ def _kinds_option(value: Optional[str]) -> Optional[set]:
         return None
     kinds = {k.strip() for k in value.split(",") if k.strip()}
     bad = sorted(kinds - set(LINE_KINDS))
+    if not kinds:
+        raise UsageError(f"annotate: --kind {value!r} names no line kind",
+                         hint=f"Use one or more of {', '.join(LINE_KINDS)}, comma-separated (--kind ours,carried), "
+                              "or leave --kind out for every line.")
     if bad:
         raise UsageError(f"annotate: --kind {', '.join(bad)} is not a line kind",
                          hint=f"Use one or more of {', '.join(LINE_KINDS)}, comma-separated (--kind ours,carried).")

@@ -273,6 +273,10 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
 
     if dry_run and check:
         raise UsageError("--dry-run and --check exclude each other.", hint="Use one of them.")
+    if list_hunks and (check or dry_run or release):
+        flag = "--check" if check else "--dry-run" if dry_run else "--release"
+        raise UsageError(f"--list-hunks and {flag} exclude each other: --list-hunks only lists the upstream hunks "
+                         "and would check or write nothing.", hint="Run them as two commands.")
     if release and (check or list_hunks):
         raise UsageError("--release makes new outputs; it excludes --check and --list-hunks.",
                          hint="Drop --release, or run it on its own.")

@@ -83,6 +83,8 @@ def test_refusals_name_the_culprit(written, tmp_path, capsys):
     assert rc == 2 and "'no_such_file.py' names no output hunk, file or origin" in err and "hint:" in err
     rc, _, err = _run(capsys, "--kind", "mine", "--out", str(out))
     assert rc == 2 and "--kind mine is not a line kind" in err
+    rc, _, err = _run(capsys, "--kind", ",", "--out", str(out))
+    assert rc == 2 and "--kind ',' names no line kind" in err
     other = tmp_path / "other.patch"
     other.write_bytes((out / "patches/latest/megatron.patch").read_bytes() + b"\n")
     rc, _, err = _run(capsys, "--patch", str(other), "--manifest", str(out / "patches/latest/manifest.json"))

@@ -409,6 +409,15 @@ def test_help_lists_the_flags():
         assert flag in result.output
 
 
+@pytest.mark.parametrize("flag", ["--check", "--dry-run", "--release"])
+def test_list_hunks_with_a_flag_it_would_ignore_exits_2(tmp_path, flag):
+    """--list-hunks only lists; with --check it used to exit 0 having checked nothing."""
+    result = CliRunner().invoke(cli, ["--list-hunks", flag, "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"error: --list-hunks and {flag} exclude each other")
+    assert "\nhint: Run them as two commands." in result.stderr
+
+
 def test_dry_run_and_check_together_exit_2(tmp_path):
     result = CliRunner().invoke(cli, ["--dry-run", "--check", "--cache-dir", str(tmp_path)])
     assert result.exit_code == 2
