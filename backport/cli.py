@@ -196,12 +196,11 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
         click.echo(f"error: {exc.message}\nhint: {exc.hint}", err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt as exc:
-        code = 143 if isinstance(exc, Terminated) else 130
-        click.echo(f"error: {'terminated (SIGTERM)' if code == 143 else 'interrupted'} while {step['now']}\n"
-                   "hint: Run the same command again; a switch of outputs cut short is finished or rolled back by "
-                   "the next run.", err=True)
-        sys.exit(code)
+        _interrupted(exc, step["now"])
     except Exception as exc:  # noqa: BLE001 - the one top-level handler: one line, a hint, no traceback
+        cause = _interrupt_in_chain(exc)
+        if cause is not None:  # a clean-up that failed while an interrupt unwound: the interrupt is the cause
+            _interrupted(cause, step["now"])
         from .errors import describe_unexpected
         from .cache import default_cache_dir
 
@@ -483,6 +482,26 @@ def _ascii_safe_streams() -> None:
         encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
         if encoding != "utf8" and hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
+
+
+def _interrupt_in_chain(exc: BaseException) -> "KeyboardInterrupt | None":
+    """The ^C or SIGTERM an exception was raised while handling (``__context__`` chain), if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        exc = exc.__context__
+    return None
+
+
+def _interrupted(exc: KeyboardInterrupt, now: str) -> None:
+    """Exit 143 (SIGTERM) or 130 (^C), naming the step that was cut short."""
+    code = 143 if isinstance(exc, Terminated) else 130
+    click.echo(f"error: {'terminated (SIGTERM)' if code == 143 else 'interrupted'} while {now}\n"
+               "hint: Run the same command again; a switch of outputs cut short is finished or rolled back by "
+               "the next run.", err=True)
+    sys.exit(code)
 
 
 class Terminated(KeyboardInterrupt):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections import Counter
@@ -104,7 +105,15 @@ class VerifyTree:
         self._tmp = tempfile.TemporaryDirectory(prefix="gdn-verify-")
         self.tree = Path(self._tmp.name) / "t"
         self.proc: "subprocess.Popen | None" = None
+        self._out = self._err = None
         self.apply_error: "VerificationError | None" = None
+        try:  # an interrupt before the caller's ``with`` holds this object must not leak its child or folder
+            self._start(patch_text, run, recipe, opts)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, patch_text: str, run, recipe, opts) -> None:
         shutil.copytree(run.base_tree / "megatron", self.tree / "megatron", symlinks=True)
         try:
             apply_patch(self.tree, patch_text.encode(), dry_run=False)
@@ -115,11 +124,17 @@ class VerifyTree:
             out_dir = Path(self._tmp.name)
             self._out = open(out_dir / "import.out", "w+", encoding="utf-8")
             self._err = open(out_dir / "import.err", "w+", encoding="utf-8")
-            self.proc = subprocess.Popen(
-                [opts.python, "-W", "ignore", "-c", PROBE, *recipe.import_check], cwd=self.tree,
-                stdout=self._out, stderr=self._err, encoding="utf-8",
-                env={**os.environ, "PYTHONPATH": str(self.tree), "PYTHONDONTWRITEBYTECODE": "1",
-                     "CUDA_VISIBLE_DEVICES": ""})
+            # SIGTERM/SIGINT held while the child starts: raised inside Popen (after the fork), the
+            # handler's exception would lose the only handle on a running child.
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+            try:
+                self.proc = subprocess.Popen(
+                    [opts.python, "-W", "ignore", "-c", PROBE, *recipe.import_check], cwd=self.tree,
+                    stdout=self._out, stderr=self._err, encoding="utf-8",
+                    env={**os.environ, "PYTHONPATH": str(self.tree), "PYTHONDONTWRITEBYTECODE": "1",
+                         "CUDA_VISIBLE_DEVICES": ""})
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a held signal is raised from here
 
     def import_result(self, timeout_s: float) -> "tuple[int, str, str]":
         """``(exit code, stdout, stderr)`` of the import check, waiting at most ``timeout_s`` seconds.
@@ -133,12 +148,12 @@ class VerifyTree:
         return rc, self._out.read(), self._err.read()
 
     def close(self) -> None:
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self._out.close()
-            self._err.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for f in (self._out, self._err):
+            if f is not None:
+                f.close()
         self._tmp.cleanup()
 
     def __enter__(self) -> "VerifyTree":

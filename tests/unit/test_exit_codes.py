@@ -415,7 +415,8 @@ def test_sigterm_during_the_import_check_exits_143_and_leaves_no_child(tmp_path,
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
+    logs = [p.read_text()[-1500:] for p in tmp_path.glob("cache/logs/*.log")]
+    assert proc.returncode == 143, (proc.returncode, err[-300:], logs)
     assert "error: terminated (SIGTERM) while " in err
     child = int(marker.read_text())
     with pytest.raises(ProcessLookupError):
