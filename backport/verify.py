@@ -196,7 +196,8 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress,
     progress("byte-compiling megatron/")
     # The files the patch does not change are the base's bytes: their verdict comes from the base
     # tree's compile record (computed once per cache entry and interpreter); the rest compile here.
-    changed_files = {f.path for f in run.ws.changed()}
+    changed = sorted(f.path for f in run.ws.changed())
+    changed_files = set(changed)
     base_errors = base_compile_errors(run.base_tree)
     count = 0
     for path in sorted((tree / "megatron").rglob("*.py")):
@@ -216,8 +217,6 @@ def verify(patch_text: str, patch_again: str, run, recipe, opts, progress,
         if (tree / path).read_bytes() != run.mlm.read(run.upstream_sha, path):
             _fail("verbatim_files", f"{path} differs from upstream {run.upstream_sha[:12]}")
     checks.append({"check": "verbatim_files", "ok": True, "detail": f"{len(verbatim)} file(s) byte-identical to upstream"})
-
-    changed = sorted(f.path for f in run.ws.changed())
 
     def in_base(p: str, s: str) -> bool:  # the base's own file holds it: the patch does not bring it
         state = run.ws.files.get(p)
