@@ -69,34 +69,36 @@ def _gate_cases(reports: Path) -> dict:
         return {}
 
 
-def slowest_tests(reports: Path, top: int = 25) -> list:
-    """``[[test id, seconds], ...]``, the ``top`` slowest across the run's JUnit XML files."""
-    seen = []
-    for xml in sorted(reports.glob("junit-*.xml")):
-        for tid, case in _junit(xml).items():
-            seen.append((tid, case["seconds"]))
-    for tid, case in _gate_cases(reports).items():
-        seen.append((f"gate::{tid}", case.get("seconds", 0.0)))
+def suite_records(reports: Path) -> dict:
+    """``{suite: {test id: {"outcome", "seconds"}}}``: each ``junit-<suite>.xml`` of the run, and
+    the gate's in-image suite as ``gate`` (ids prefixed ``gate::``), each file read once."""
+    out = {xml.stem[len("junit-"):]: _junit(xml) for xml in sorted(reports.glob("junit-*.xml"))}
+    gate = _gate_cases(reports)
+    if gate:
+        out["gate"] = {f"gate::{tid}": case for tid, case in gate.items()}
+    return out
+
+
+def slowest_tests(records: dict, top: int = 25) -> list:
+    """``[[test id, seconds], ...]``, the ``top`` slowest across :func:`suite_records`."""
+    seen = [(tid, case.get("seconds", 0.0)) for suite in records.values() for tid, case in suite.items()]
     seen.sort(key=lambda item: (-item[1], item[0]))
     return [[tid, round(s, 1)] for tid, s in seen[:top]]
 
 
-def counts(reports: Path) -> dict:
-    """Passed/skipped/failed test cases per JUnit file of the run, and the gate's."""
+def counts(records: dict) -> dict:
+    """Passed/skipped/failed/error test cases per suite of :func:`suite_records`."""
     out = {}
-    for xml in sorted(reports.glob("junit-*.xml")):
-        outcomes = [c["outcome"] for c in _junit(xml).values()]
-        out[xml.stem[len("junit-"):]] = {k: outcomes.count(k) for k in ("passed", "skipped", "failed", "error")}
-    gate = _gate_cases(reports)
-    if gate:
-        outcomes = [c.get("outcome") for c in gate.values()]
-        out["gate"] = {k: outcomes.count(k) for k in ("passed", "skipped", "failed", "error")}
+    for suite, cases in records.items():
+        outcomes = [c.get("outcome") for c in cases.values()]
+        out[suite] = {k: outcomes.count(k) for k in ("passed", "skipped", "failed", "error")}
     return out
 
 
 def figures(reports: Path, commit: str, total_s: int, cores: int) -> dict:
     """The ci-timings.json record of one finished run (see the module docstring)."""
     rows = read_steps(reports)
+    records = suite_records(reports)
     steps = {name: rows[name]["seconds"] for name in STEP_ORDER if name in rows}
     if "test-host" in steps or "test-gated" in steps:
         steps["test"] = steps.get("test-host", 0) + steps.get("test-gated", 0)
@@ -104,7 +106,7 @@ def figures(reports: Path, commit: str, total_s: int, cores: int) -> dict:
         steps.setdefault(name, row["seconds"])
     return {"commit": commit, "cores": cores, "total_s": total_s, "steps": steps,
             "status": {name: row["status"] for name, row in rows.items()},
-            "tests": counts(reports), "slowest_tests": slowest_tests(reports)}
+            "tests": counts(records), "slowest_tests": slowest_tests(records)}
 
 
 def markdown(data: dict) -> str:
