@@ -439,11 +439,16 @@ def test_a_journal_this_tool_never_writes_is_named_and_nothing_is_moved(args, tm
     run(args + ["--no-trees"], 0)
 
 
-def test_check_after_a_recipe_edit_names_the_recipe(args, tmp_path, fake_repos):
+def _write_then_edit_the_recipe(args, tmp_path, fake_repos) -> None:
+    """Write the outputs and their lock, then edit the recipe (one step's reason) after it."""
     run(args + ["--no-trees"], 0)
     data = recipe_data(fake_repos)
     data["steps"][0]["why"] = "edited after the lock was written"
     write_recipe(tmp_path / "fake.yaml", data)
+
+
+def test_check_after_a_recipe_edit_names_the_recipe(args, tmp_path, fake_repos):
+    _write_then_edit_the_recipe(args, tmp_path, fake_repos)
     result = run(args + ["--check"], 8)
     error = first_error(result.stderr)
     assert "manifests/lock.json (differs: " in error and "recipe changed (sha256)" in error
@@ -453,10 +458,7 @@ def test_check_after_a_recipe_edit_names_the_recipe(args, tmp_path, fake_repos):
 
 def test_a_same_day_lock_change_names_the_input_that_changed(args, tmp_path, fake_repos):
     """Hostile trial: every same-day change blamed "the recipe, the pins or the tool's code"."""
-    run(args + ["--no-trees"], 0)
-    data = recipe_data(fake_repos)
-    data["steps"][0]["why"] = "edited after the lock was written"
-    write_recipe(tmp_path / "fake.yaml", data)
+    _write_then_edit_the_recipe(args, tmp_path, fake_repos)
     result = run(args + ["--no-trees"], 0)
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("lock: ")]
     assert ". The recipe changed since the lock was committed (same date)" in line, line
