@@ -62,6 +62,7 @@ def forward(
         raise NotImplementedError("GDN does not support inference for now.")
 
     is_thd = packed_seq_params is not None and packed_seq_params.qkv_format == 'thd'
+    packed_metadata = None
     cu_seqlens_q = None
     cu_seqlens_q_cpu = None
     if is_thd:
@@ -69,13 +70,15 @@ def forward(
         assert (
             not self.config.deterministic_mode
         ), "Packed sequence does not support deterministic mode."
-        # cu_seqlens in PackedSeqParams are global (before the CP split). Checked on their host
-        # copy, made once per micro-batch and kept on packed_seq_params (later layers and
-        # recompute reuse it), and without empty segments, which FLA 0.4.2 would assign to the
-        # wrong sequence.
-        cu_seqlens_q, cu_seqlens_q_cpu = gdn_context_parallel.packed_cu_seqlens(
+        # The micro-batch's metadata, built once by finalize_packed_seq_params in the data path
+        # (else by the first GDN layer): global cu_seqlens checked on their host copy, without
+        # empty segments (FLA 0.4.2 would assign them to the wrong sequence), on a device tensor
+        # of its own (FLA caches on tensor identity), with the CP routes and FLA's CP context.
+        packed_metadata = gdn_context_parallel.packed_seq_metadata(
             packed_seq_params, plan.global_seq_len, plan.group
         )
+        cu_seqlens_q = packed_metadata.cu_seqlens
+        cu_seqlens_q_cpu = packed_metadata.cu_seqlens_cpu
     gdn_context_parallel.check_sequence_lengths(plan, cu_seqlens_q_cpu, self.conv_kernel_dim)
     gdn_context_parallel.check_kernel_extent(
         plan,
@@ -91,27 +94,26 @@ def forward(
     kernel_cu_seqlens = cu_seqlens_q
     kernel_cu_seqlens_cpu = cu_seqlens_q_cpu
     chunkwise_cp_context = None
-    if plan.chunkwise:
-        if kernel_cu_seqlens is None:
-            kernel_cu_seqlens_cpu = (
-                torch.arange(batch + 1, dtype=torch.int32) * plan.global_seq_len
-            )
-            kernel_cu_seqlens = gdn_context_parallel.host_to_device(
-                kernel_cu_seqlens_cpu, hidden_states.device
-            )
+    thd_layout = None
+    if plan.chunkwise and packed_metadata is not None:
+        chunkwise_cp_context = packed_metadata.fla_cp_context(self.conv_kernel_dim)
+        # Both layout conversions routed once per micro-batch on the host copy (upstream
+        # derives the route from device cu_seqlens at every conversion, syncing each time).
+        thd_layout = packed_metadata.layout_route()
+    elif plan.chunkwise:
+        kernel_cu_seqlens_cpu = torch.arange(batch + 1, dtype=torch.int32) * plan.global_seq_len
+        kernel_cu_seqlens = gdn_context_parallel.host_to_device(
+            kernel_cu_seqlens_cpu, hidden_states.device
+        )
         chunkwise_cp_context = build_cp_context(
             cu_seqlens=kernel_cu_seqlens,
             group=plan.group,
             conv1d_kernel_size=self.conv_kernel_dim,
             cu_seqlens_cpu=kernel_cu_seqlens_cpu,
         )
-    # Packed chunkwise input: route both layout conversions once, on the host copy (upstream
-    # derives the route from device cu_seqlens at every conversion, syncing the host each time).
-    thd_layout = None
-    if plan.chunkwise and cu_seqlens_q_cpu is not None:
-        thd_layout = gdn_context_parallel.ThdLayoutRoutes(
-            cu_seqlens_q_cpu, plan.group, hidden_states.device
-        )
+    gather_index = (None, None)
+    if plan.all_gather and packed_metadata is not None:
+        gather_index = packed_metadata.gather_index()
     # FLA's kernels take the host copy beside cu_seqlens (the deterministic torch path never
     # gets packed input).
     kernel_kwargs = (
@@ -165,7 +167,11 @@ def forward(
     elif plan.all_gather:
         nvtx_range_push(suffix="all_gather_sequence")
         qkvzba = gdn_context_parallel.gather_zigzag_sequence(
-            qkvzba, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q_cpu
+            qkvzba,
+            plan.group,
+            seq_dim=0,
+            cu_seqlens=cu_seqlens_q_cpu,
+            natural_index=gather_index[0],
         )
         nvtx_range_pop(suffix="all_gather_sequence")
         seq_len = seq_len * plan.size
@@ -316,7 +322,11 @@ def forward(
         nvtx_range_pop(suffix="contiguous_to_zigzag")
     elif plan.all_gather:
         norm_out = gdn_context_parallel.scatter_zigzag_sequence(
-            norm_out, plan.group, seq_dim=0, cu_seqlens=cu_seqlens_q_cpu
+            norm_out,
+            plan.group,
+            seq_dim=0,
+            cu_seqlens=cu_seqlens_q_cpu,
+            local_order=gather_index[1],
         )
     elif plan.headwise:
         if is_thd:

@@ -16,14 +16,20 @@ to the shared config. Three modes exist:
 There is no ``auto``. Misuse raises :class:`LinearCPError` before any collective runs.
 
 Packed (THD) ``cu_seqlens`` are validated and normalised here before conv and scan see them
-(:func:`packed_cu_seqlens`): zero-length segments (repeated boundaries, as padded static
+(:func:`packed_seq_metadata`): zero-length segments (repeated boundaries, as padded static
 batching makes them) are dropped, because FLA 0.4.2 numbers its chunks by counting segment
 starts and assigns every chunk after an empty segment to the wrong sequence (the conv leaves
 outputs unwritten, the scan restarts its state at the wrong token). This is a downstream fix,
-not upstream Megatron-LM behaviour. The host copy of those boundaries is made once per
-micro-batch and kept on its ``PackedSeqParams`` (:class:`PackedCuSeqlens`,
-:func:`attach_cu_seqlens_cpu`), so a stack of GDN layers makes one device->host copy per
-micro-batch, not one per layer.
+not upstream Megatron-LM behaviour.
+
+A packed micro-batch's metadata is built once, in the data path, by
+:func:`finalize_packed_seq_params` (upstream dev's name and call; also importable from
+``megatron.core.context_parallel_layout``): the checked host boundaries, device tensors of its
+own for FLA (FLA caches on tensor identity, so it never gets a tensor the caller may rewrite),
+the CP routes and FLA's CP context (:class:`PackedSeqMetadata`, kept on the
+``PackedSeqParams``). The GDN layers then only read it, after a cheap check that it still
+matches the tensors they are given; without it the first GDN layer of the micro-batch builds it
+(one device->host copy, a one-time warning).
 
 The FLA releases this tree is tested with are listed in :data:`SUPPORTED_FLA_VERSIONS`;
 :func:`check_fla_version` refuses any other when a GDN layer is built (FLA moved
@@ -31,8 +37,11 @@ The FLA releases this tree is tested with are listed in :data:`SUPPORTED_FLA_VER
 mid-forward with a ``TypeError``, or run with other semantics).
 """
 
+import collections
+import dataclasses
+import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -285,7 +294,7 @@ def check_sequence_lengths(
     Args:
         plan: from :func:`plan_linear_cp`.
         cu_seqlens: global cumulative (padded) lengths, int32/int64 [num_seqs + 1], best the
-            host copy from :func:`packed_cu_seqlens` (no device sync); None for SBHD (then
+            host copy from :func:`packed_seq_metadata` (no device sync); None for SBHD (then
             ``plan.global_seq_len`` is checked).
         conv_kernel_size: the GDN conv width (chunkwise halo check).
 
@@ -447,78 +456,123 @@ def _cp_key(cp_group: Optional[dist.ProcessGroup]) -> tuple:
     return (cp_group, cp_group.size(), cp_group.rank())
 
 
-class PackedCuSeqlens:
-    """The final packed boundaries of one micro-batch with their host copy, made once.
+#: What the packed-metadata path did in this process, by event (read and reset by tests and
+#: benchmarks; never read by the layers): ``finalized`` (metadata built by
+#: :func:`finalize_packed_seq_params`), ``layer_built`` (built by a GDN layer because the
+#: micro-batch was not finalized or its metadata no longer matched), ``host_copies``
+#: (device->host copies of boundaries), ``routes`` (:class:`ThdLayoutRoutes` built),
+#: ``gather_indices`` (all_gather index pairs built), ``fla_contexts`` (FLA
+#: ``build_cp_context`` calls).
+PACKED_METADATA_COUNTS: "collections.Counter[str]" = collections.Counter()
 
-    It is kept on the micro-batch's ``PackedSeqParams.cu_seqlens_cpu_cache``, put there by
-    the data pipeline (:func:`attach_cu_seqlens_cpu`) or else by the first GDN layer that
-    runs the micro-batch. Every later GDN layer, activation recompute, FLA's
-    ``build_cp_context`` and the THD layout conversions then use this one device->host copy
-    of ``cu_seqlens`` per micro-batch, instead of one copy (one host sync) per layer. It is
-    never kept on the module or on the shared config: the layers stay stateless.
+_NOT_FINALIZED_WARNED = False
 
-    It is reused only while it still describes the micro-batch: the same ``cu_seqlens``
-    tensor objects in the same ``PackedSeqParams`` fields, unchanged in place
-    (``Tensor._version``) and in view (device, data pointer, shape, strides, storage offset),
-    for the same CP group, size and rank. Anything else makes a new one. That check reads no
-    tensor values, so it never syncs. In-place writes that bypass torch (e.g. through a
-    numpy view of a host tensor) are not seen: rebuild the tensor instead.
 
-    Host syncs to make one: one device->host copy, also for distinct ``cu_seqlens_q`` and
-    ``cu_seqlens_kv`` tensors (see :func:`_copy_cu_seqlens_to_host`); when segments are
-    dropped, one host->device copy without a sync (:func:`host_to_device`).
+class PackedSeqMetadata:
+    """Everything the GDN layers need to know about one packed (THD) micro-batch, built once.
+
+    Built by :func:`finalize_packed_seq_params` in the data pipeline (or, when that was not
+    called, by the first GDN layer of the micro-batch) and kept on the micro-batch's
+    ``PackedSeqParams.gdn_packed_metadata``; never on a module or the shared config. It holds:
+
+    * the checked host copy of the final boundaries (``host_q``/``host_kv``) and the boundaries
+      without zero-length segments (``cu_seqlens_cpu``), which FLA 0.4.2 would assign to the
+      wrong sequence;
+    * ``cu_seqlens``: a device tensor of its own with those boundaries. FLA caches index helpers
+      on the identity of the tensor it is given (FLA issue #1274), so FLA never receives a
+      tensor the caller owns and may rewrite in place for the next micro-batch;
+    * at CP > 1: the chunkwise zigzag <-> contiguous route (:class:`ThdLayoutRoutes`, also put
+      on ``PackedSeqParams.cp_partition_route``), the all_gather index pair and FLA's CP context
+      for chunkwise (per conv width, :meth:`fla_cp_context`).
+
+    A layer uses it only while :meth:`matches` holds: the same boundary tensor objects in the
+    same fields, unchanged in place (``Tensor._version``) and in view (device, data pointer,
+    dtype, shape, strides, storage offset), the same CP group, size and rank, and for host
+    tensors the same values. Writes that no counter sees (a collective into a reused device
+    buffer on a receiving rank, ``.data`` writes, numpy views of device memory) cannot be
+    detected without a host sync: the contract is to finalize after the last write of a
+    micro-batch.
 
     Args:
         packed_seq_params: ``PackedSeqParams`` of a packed (THD) micro-batch with global
-            cumulative lengths, int32 or int64 ``[num_seqs + 1]``.
+            cumulative lengths, int32 or int64 ``[num_seqs + 1]`` (padded ones when given).
         cp_group: the CP group the GDN layers run the micro-batch on (None: no CP).
-
-    Attributes:
-        names: the ``PackedSeqParams`` fields read for q and kv (the padded ones when given).
-        host_q, host_kv: host copies of those tensors in their dtypes (the same tensor when
-            one tensor serves q and kv). Their values are checked by
-            :func:`packed_cu_seqlens`, at every use.
-        cu_seqlens: the boundaries without zero-length segments, on the device and in the
-            dtype of the q tensor (that very tensor when no segment was dropped).
-        cu_seqlens_cpu: their host copy.
+        cu_seqlens_cpu: host copy of those boundaries when the caller has one (then no
+            device->host copy is made); copied, never kept.
+        finalized: built by :func:`finalize_packed_seq_params` (else by a layer).
+        linear_cp_modes: the modes to prebuild CP state for (default all three).
 
     Raises:
         LinearCPError: boundaries missing, not int32/int64, not 1-D of >= 2 entries, on the
-            meta device, or q and kv on different devices.
+            meta device, q and kv on different devices or with different values, not starting
+            at 0 or decreasing, a ``cu_seqlens_cpu`` of another shape or not on the host, or
+            (CP > 1) a sequence length not divisible by 2*CP.
     """
 
-    def __init__(self, packed_seq_params, cp_group: Optional[dist.ProcessGroup] = None):
+    def __init__(
+        self,
+        packed_seq_params,
+        cp_group: Optional[dist.ProcessGroup] = None,
+        *,
+        cu_seqlens_cpu: Optional[torch.Tensor] = None,
+        finalized: bool = False,
+        linear_cp_modes: Sequence[str] = LINEAR_CP_MODES,
+    ):
         (name_q, cu_q), (name_kv, cu_kv) = _thd_cu_seqlens_sources(packed_seq_params)
         _check_cu_seqlens_tensor(name_q, cu_q)
-        if cu_kv is cu_q:
-            (host_q,) = _copy_cu_seqlens_to_host([cu_q])
-            host_kv = host_q
-        else:
+        if cu_kv is not cu_q:
             _check_cu_seqlens_tensor(name_kv, cu_kv)
             if cu_kv.device != cu_q.device:
                 raise LinearCPError(
                     f"PackedSeqParams.{name_q} is on {cu_q.device} but {name_kv} on "
                     f"{cu_kv.device}. Put both on one device (or pass one tensor for both)."
                 )
+        if cu_seqlens_cpu is not None:
+            host_q = _given_host_cu_seqlens(cu_seqlens_cpu, name_q, cu_q)
+            host_kv = host_q
+        elif cu_kv is cu_q:
+            (host_q,) = _copy_cu_seqlens_to_host([cu_q])
+            host_kv = host_q
+        else:
             host_q, host_kv = _copy_cu_seqlens_to_host([cu_q, cu_kv])
+        _check_host_cu_seqlens(name_q, host_q)
+        if host_kv is not host_q:
+            _check_host_cu_seqlens(name_kv, host_kv)
+            if not torch.equal(host_q.to(torch.long), host_kv.to(torch.long)):
+                raise LinearCPError(
+                    f"GDN needs {name_q} equal to {name_kv} (self-attention-like packing), got "
+                    f"{host_q.tolist()[:16]} and {host_kv.tolist()[:16]}."
+                )
         self.names = (name_q, name_kv)
         self.host_q, self.host_kv = host_q, host_kv
+        self.finalized = finalized
+        self.total_tokens = int(host_q[-1])
         self._stamps = (_tensor_stamp(cu_q), _tensor_stamp(cu_kv))
         self._cp = _cp_key(cp_group)
         keep = torch.ones(host_q.numel(), dtype=torch.bool)
         keep[1:] = host_q[1:] != host_q[:-1]
-        if bool(keep.all()):
-            self.cu_seqlens, self.cu_seqlens_cpu = cu_q, host_q
-        else:
-            self.cu_seqlens_cpu = host_q[keep]
-            self.cu_seqlens = host_to_device(self.cu_seqlens_cpu, cu_q.device)
+        self.cu_seqlens_cpu = host_q[keep]  # a new tensor even when nothing is dropped
+        self.cu_seqlens = _own_device_copy(self.cu_seqlens_cpu, cu_q.device)
+        self.group = cp_group
+        self.size = self._cp[1]
+        self.route: Optional[ThdLayoutRoutes] = None
+        self._gather_index: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._fla_contexts: dict = {}
+        if self.size > 1:
+            _route_cu_seqlens(self.cu_seqlens_cpu, self.size)
+            for mode in linear_cp_modes:
+                if mode == "chunkwise":
+                    self.layout_route()
+                    self.fla_cp_context(None)
+                elif mode == "all_gather":
+                    self.gather_index()
 
     def matches(self, packed_seq_params, cp_group: Optional[dist.ProcessGroup] = None) -> bool:
         """True when this still describes ``packed_seq_params`` run on ``cp_group``.
 
-        Compares tensor identity, version counters and views, and the CP group, size and
-        rank; reads no tensor values (no device sync). Missing boundaries raise
-        :class:`LinearCPError` as in :class:`PackedCuSeqlens`.
+        Compares tensor identity, version counters, dtypes and views, the CP group, size and
+        rank, and for host tensors their values; reads no device tensor value (no sync).
+        Missing boundaries raise :class:`LinearCPError` as in :class:`PackedSeqMetadata`.
         """
         sources = _thd_cu_seqlens_sources(packed_seq_params)
         if tuple(name for name, _ in sources) != self.names:
@@ -526,100 +580,227 @@ class PackedCuSeqlens:
         for (_, tensor), made in zip(sources, self._stamps):
             if not isinstance(tensor, torch.Tensor) or not _same_stamp(made, _tensor_stamp(tensor)):
                 return False
+        for (_, tensor), host in zip(sources, (self.host_q, self.host_kv)):
+            if tensor.device.type == "cpu" and not torch.equal(
+                tensor.detach().to(torch.long), host.to(torch.long)
+            ):
+                return False  # a write torch did not count (numpy view, .data): values differ
         now = _cp_key(cp_group)
         return now[0] is self._cp[0] and now[1:] == self._cp[1:]
 
+    def layout_route(self) -> "ThdLayoutRoutes":
+        """The chunkwise zigzag <-> contiguous route of this rank (built on first use)."""
+        if self.route is None:
+            self.route = ThdLayoutRoutes(self.cu_seqlens_cpu, self.group, self.cu_seqlens.device)
+            PACKED_METADATA_COUNTS["routes"] += 1
+        return self.route
 
-def attach_cu_seqlens_cpu(
-    packed_seq_params, cp_group: Optional[dist.ProcessGroup] = None
-) -> PackedCuSeqlens:
-    """Give a packed (THD) micro-batch the host copy of its final boundaries, once.
+    def gather_index(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(natural_index, local_order) device index tensors of the all_gather path: the
+        gathered shards -> natural order, and natural order -> this rank's zigzag shard."""
+        if self._gather_index is None:
+            cu = self.cu_seqlens_cpu.to(torch.long)
+            order = torch.cat([_zigzag_tokens(cu, self.size, r) for r in range(self.size)])
+            natural_index = torch.empty_like(order)
+            natural_index[order] = torch.arange(order.numel())
+            local = _zigzag_tokens(cu, self.size, self.group.rank())
+            device = self.cu_seqlens.device
+            self._gather_index = (
+                _own_device_copy(natural_index, device),
+                _own_device_copy(local, device),
+            )
+            PACKED_METADATA_COUNTS["gather_indices"] += 1
+        return self._gather_index
 
-    Call it in the data pipeline once per micro-batch, on the very ``PackedSeqParams`` the
-    model gets, after the last change to its boundaries (repacking, padding, an unsplit VLM
-    path). The GDN layers then make no device->host copy of their own. Without it the first
-    GDN layer of the micro-batch makes the copy and the later layers and activation
-    recompute reuse it. Changing the boundaries afterwards (a new tensor, an in-place write,
-    another view) or running the micro-batch on another CP group is safe: the layers see it
-    and make a new copy (see :class:`PackedCuSeqlens`).
+    def fla_cp_context(self, conv1d_kernel_size: Optional[int]):
+        """FLA's CP context of this micro-batch for a conv of ``conv1d_kernel_size``.
+
+        ``build_cp_context`` runs once per micro-batch (on the host copy: no sync); other
+        conv widths get a copy of that context with only ``conv1d_kernel_size`` changed.
+        """
+        if conv1d_kernel_size in self._fla_contexts:
+            return self._fla_contexts[conv1d_kernel_size]
+        if not self._fla_contexts:
+            from fla.ops.cp import build_cp_context
+
+            context = build_cp_context(
+                cu_seqlens=self.cu_seqlens,
+                group=self.group,
+                conv1d_kernel_size=conv1d_kernel_size,
+                cu_seqlens_cpu=self.cu_seqlens_cpu,
+            )
+            PACKED_METADATA_COUNTS["fla_contexts"] += 1
+        else:
+            context = dataclasses.replace(
+                next(iter(self._fla_contexts.values())), conv1d_kernel_size=conv1d_kernel_size
+            )
+        self._fla_contexts[conv1d_kernel_size] = context
+        return context
+
+
+def _given_host_cu_seqlens(host, name: str, like: torch.Tensor) -> torch.Tensor:
+    # The caller's host copy of PackedSeqParams.<name> (checked for what needs no values of the
+    # device tensor), as a tensor of our own in the dtype of ``like``.
+    _check_cu_seqlens_tensor(f"{name} (cu_seqlens_cpu=)", host)
+    if host.device.type != "cpu" or tuple(host.shape) != tuple(like.shape):
+        raise LinearCPError(
+            f"cu_seqlens_cpu= must be the host copy of PackedSeqParams.{name}: a CPU tensor of "
+            f"shape {tuple(like.shape)}, got a {host.device.type} tensor of shape "
+            f"{tuple(host.shape)}. Pass the boundaries as the loader held them before the copy "
+            "to the device, or leave cu_seqlens_cpu out (one device->host copy)."
+        )
+    return host.detach().to(like.dtype).clone()
+
+
+def _own_device_copy(host: torch.Tensor, device) -> torch.Tensor:
+    # A new tensor with the values of ``host`` on ``device`` (a clone on the host: ``.to`` would
+    # return the tensor itself), copied without a sync.
+    if torch.device(device).type == "cpu":
+        return host.clone()
+    return host_to_device(host, device)
+
+
+def finalize_packed_seq_params(
+    packed_seq_params,
+    *,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    cp_group: Optional[dist.ProcessGroup] = None,
+    linear_cp_modes: Optional[Sequence[str]] = None,
+):
+    """Resolve a micro-batch's CP group and build its packed metadata once, in the data path.
+
+    Same name and call as upstream Megatron-LM dev (3f49de20, PR #6387,
+    ``megatron/core/context_parallel_layout/utils.py``: ``finalize_packed_seq_params``): call
+    it on the very ``PackedSeqParams`` the model gets, after the last change to it (repacking,
+    padding, a VLM/Bridge unsplit path, a broadcast into its tensors), once per micro-batch.
+    The CP group is ``packed_seq_params.cp_group`` (dynamic CP) or else the context-parallel
+    group of ``parallel_state``; it is stored on ``packed_seq_params.cp_group``. For packed
+    (THD) input a :class:`PackedSeqMetadata` goes to ``packed_seq_params.gdn_packed_metadata``
+    and, at CP > 1, its chunkwise route to ``packed_seq_params.cp_partition_route``. The GDN
+    layers then only read: no device->host copy, route or FLA context in the model. SBHD
+    input gets only the CP group. Calling it again rebuilds from the current values (the same
+    result when nothing changed).
 
     Args:
-        packed_seq_params: ``PackedSeqParams`` with ``qkv_format == "thd"`` and global
-            cumulative lengths, int32 or int64 ``[num_seqs + 1]``.
-        cp_group: the CP group the GDN layers run the micro-batch on; default
-            ``packed_seq_params.cp_group`` (dynamic CP), else the context-parallel group of
-            ``parallel_state`` (None when it is not initialised). A group other than the
-            layers' costs one more copy in the first layer, never a wrong result.
+        packed_seq_params: ``PackedSeqParams`` or None (returned as is).
+        cu_seqlens_cpu: the host copy of the boundaries the GDN layers read
+            (``cu_seqlens_q_padded`` when given, else ``cu_seqlens_q``; int32/int64
+            ``[num_seqs + 1]``) when the loader has it: then no device->host copy is made at
+            all. Its values are trusted to equal the device tensor's (they cannot be compared
+            without a sync).
+        cp_group: the CP group, overriding the resolution above.
+        linear_cp_modes: the GDN modes to prebuild CP state for (default: all three; the
+            headwise mode needs none).
 
     Returns:
-        The :class:`PackedCuSeqlens` now at ``packed_seq_params.cu_seqlens_cpu_cache``.
+        ``packed_seq_params``.
 
     Raises:
-        LinearCPError: as :class:`PackedCuSeqlens`. Values are checked by the layers.
+        LinearCPError: as :class:`PackedSeqMetadata`, raised here in the data path.
     """
+    if packed_seq_params is None:
+        return None
     if cp_group is None:
-        cp_group = getattr(packed_seq_params, "cp_group", None)
-    if cp_group is None:
-        cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
-    packed_seq_params.cu_seqlens_cpu_cache = PackedCuSeqlens(packed_seq_params, cp_group)
-    return packed_seq_params.cu_seqlens_cpu_cache
+        cp_group = resolve_cp_group(
+            parallel_state.get_context_parallel_group(check_initialized=False), packed_seq_params
+        )
+    if cp_group is not None:
+        packed_seq_params.cp_group = cp_group
+    if getattr(packed_seq_params, "qkv_format", None) != "thd":
+        return packed_seq_params
+    modes = LINEAR_CP_MODES if linear_cp_modes is None else tuple(linear_cp_modes)
+    for mode in modes:
+        check_linear_cp_mode(mode)
+    metadata = PackedSeqMetadata(
+        packed_seq_params,
+        cp_group,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        finalized=True,
+        linear_cp_modes=modes,
+    )
+    packed_seq_params.gdn_packed_metadata = metadata
+    packed_seq_params.cp_partition_route = metadata.route
+    PACKED_METADATA_COUNTS["finalized"] += 1
+    return packed_seq_params
 
 
-def packed_cu_seqlens(
+def prebuild_thd_cp_partition_routes(packed_seq_params, cp_group: Optional[dist.ProcessGroup]):
+    """Upstream's name (Megatron-LM dev 3f49de20,
+    ``megatron/core/context_parallel_layout/routes.py``) for building a THD micro-batch's
+    route on ``cp_group``: here :func:`finalize_packed_seq_params` with that group.
+
+    Returns:
+        ``packed_seq_params.cp_partition_route`` (None for SBHD or CP=1).
+    """
+    finalize_packed_seq_params(packed_seq_params, cp_group=cp_group)
+    return getattr(packed_seq_params, "cp_partition_route", None)
+
+
+def packed_seq_metadata(
     packed_seq_params, total_tokens: int, cp_group: Optional[dist.ProcessGroup] = None
-):
-    """Validate and normalise the cu_seqlens of a packed (THD) micro-batch.
+) -> PackedSeqMetadata:
+    """The current :class:`PackedSeqMetadata` of a packed micro-batch, for a GDN layer.
 
-    Like the base ``GatedDeltaNet._resolve_cu_seqlens``, the padded lengths are used when
+    With a finalized micro-batch whose metadata still :meth:`~PackedSeqMetadata.matches`, this
+    reads only (no sync, no build). Otherwise the layer builds it (one device->host copy,
+    counted as ``layer_built`` in :data:`PACKED_METADATA_COUNTS`) and puts it on the
+    ``PackedSeqParams``, so later layers and activation recompute of the micro-batch reuse it;
+    the first time in the process a warning names :func:`finalize_packed_seq_params`.
+
+    Like the base ``GatedDeltaNet._resolve_cu_seqlens``, the padded lengths are read when
     given, else the actual ones, and q and kv must agree. Zero-length segments (repeated
-    boundaries, e.g. ``[0, 0, 64, 64, 200, 256, 256]``) are then dropped (``[0, 64, 200,
-    256]``): they hold no token, so the zigzag layout is unchanged, while FLA 0.4.2's
-    ``causal_conv1d`` and ``chunk_gated_delta_rule`` (``prepare_chunk_indices`` counts segment
-    starts) assign every chunk after an empty segment to the wrong sequence. Every path
-    (headwise at any CP, all_gather, chunkwise through ``build_cp_context``, CP=1) gets the
-    normalised tensor, so outputs and gradients, padding positions included, equal those of
-    the same batch without the empty segments. When both padded and actual lengths are
-    given, only the padded ones are read (as at the base), so dropping an empty padded
-    segment cannot break their correspondence.
-
-    Host syncs: at most one device->host copy per micro-batch. The boundaries and their
-    host copy come from the micro-batch's :class:`PackedCuSeqlens`
-    (``packed_seq_params.cu_seqlens_cpu_cache``), made here when the data pipeline did not
-    attach one (:func:`attach_cu_seqlens_cpu`) or when it no longer matches. The checks run
-    on the host copy at every call. The host copy is returned so that FLA
-    (``cu_seqlens_cpu``), the layout conversions and :func:`check_sequence_lengths` need no
-    sync of their own.
+    boundaries, e.g. ``[0, 0, 64, 64, 200, 256, 256]``) are dropped (``[0, 64, 200, 256]``):
+    they hold no token, so the zigzag layout is unchanged, while FLA 0.4.2's ``causal_conv1d``
+    and ``chunk_gated_delta_rule`` (``prepare_chunk_indices`` counts segment starts) assign
+    every chunk after an empty segment to the wrong sequence.
 
     Args:
-        packed_seq_params: ``PackedSeqParams`` with ``qkv_format == "thd"``; global
-            cumulative lengths, int32 or int64 ``[num_seqs + 1]``.
+        packed_seq_params: ``PackedSeqParams`` with ``qkv_format == "thd"``.
         total_tokens: tokens of the whole packed buffer (local tokens x SP x CP).
         cp_group: the CP group of this forward (None: no CP).
 
-    Returns:
-        ``(cu_seqlens, cu_seqlens_cpu)``: the normalised lengths on the device and dtype of
-        the given tensor (the very tensor when nothing was dropped), and their host copy.
-
     Raises:
-        LinearCPError: missing, non-integer, non-1-D, on the meta device, not starting at 0,
-            decreasing, not ending at ``total_tokens``, or q and kv lengths that differ.
+        LinearCPError: as :class:`PackedSeqMetadata`, or boundaries that do not end at
+            ``total_tokens``.
     """
-    boundaries = getattr(packed_seq_params, "cu_seqlens_cpu_cache", None)
+    global _NOT_FINALIZED_WARNED
+    metadata = getattr(packed_seq_params, "gdn_packed_metadata", None)
     if not (
-        isinstance(boundaries, PackedCuSeqlens) and boundaries.matches(packed_seq_params, cp_group)
+        isinstance(metadata, PackedSeqMetadata) and metadata.matches(packed_seq_params, cp_group)
     ):
-        boundaries = PackedCuSeqlens(packed_seq_params, cp_group)
-        packed_seq_params.cu_seqlens_cpu_cache = boundaries
-    name_q, name_kv = boundaries.names
-    _check_host_cu_seqlens(name_q, boundaries.host_q, total_tokens)
-    if boundaries.host_kv is not boundaries.host_q:
-        _check_host_cu_seqlens(name_kv, boundaries.host_kv, total_tokens)
-        if not torch.equal(boundaries.host_q.to(torch.long), boundaries.host_kv.to(torch.long)):
-            raise LinearCPError(
-                f"GDN needs {name_q} equal to {name_kv} (self-attention-like packing), got "
-                f"{boundaries.host_q.tolist()[:16]} and {boundaries.host_kv.tolist()[:16]}."
+        stale = isinstance(metadata, PackedSeqMetadata) and metadata.finalized
+        # Built lazily: a layer builds only the CP state its mode uses.
+        metadata = PackedSeqMetadata(packed_seq_params, cp_group, linear_cp_modes=())
+        packed_seq_params.gdn_packed_metadata = metadata
+        packed_seq_params.cp_partition_route = metadata.route
+        PACKED_METADATA_COUNTS["layer_built"] += 1
+        if stale:
+            PACKED_METADATA_COUNTS["stale"] += 1
+            warnings.warn(
+                "A GDN layer got a packed micro-batch whose finalized metadata no longer matches "
+                "its PackedSeqParams (new or rewritten cu_seqlens tensors, or another CP group): "
+                "it rebuilt it (one device->host copy). Call megatron.core.context_parallel_layout."
+                "finalize_packed_seq_params(packed_seq_params) after the last change to a "
+                "micro-batch.",
+                stacklevel=2,
             )
-    return boundaries.cu_seqlens, boundaries.cu_seqlens_cpu
+        elif not _NOT_FINALIZED_WARNED:
+            _NOT_FINALIZED_WARNED = True
+            warnings.warn(
+                "GDN layers are building the packed micro-batch's metadata themselves (one "
+                "device->host copy per micro-batch). Call megatron.core.context_parallel_layout."
+                "finalize_packed_seq_params(packed_seq_params) when building each micro-batch "
+                "(with cu_seqlens_cpu= when the loader has the boundaries on the host): then the "
+                "model makes no host sync for it.",
+                stacklevel=2,
+            )
+    if metadata.total_tokens != total_tokens:
+        raise LinearCPError(
+            f"PackedSeqParams.{metadata.names[0]}[-1]={metadata.total_tokens} but the micro-batch "
+            f"holds {total_tokens} tokens (local tokens x SP x CP). cu_seqlens must be global "
+            "(before the CP split) and cover the whole packed buffer, padding included."
+        )
+    return metadata
 
 
 def check_kernel_extent(
@@ -716,7 +897,7 @@ class ThdLayoutRoutes:
     both layouts with ``.item()``, tensor truth tests and boolean-mask indexing (about 30
     host syncs per conversion at CP=2, 64 per step with 8 samples), then permutes the tokens
     on both sides of its all-to-all. Here the route is derived once per forward from the
-    host copy of ``cu_seqlens`` (the one :func:`packed_cu_seqlens` returns) in O(tokens)
+    host copy of ``cu_seqlens`` (the one :class:`PackedSeqMetadata` holds) in O(tokens)
     without sorting, and only one index tensor per conversion is copied to the device,
     without a sync. A zigzag shard lists its tokens in ascending order, so zigzag ->
     contiguous sends the shard as it is and permutes what it receives, and contiguous ->
@@ -829,6 +1010,7 @@ def gather_zigzag_sequence(
     group: dist.ProcessGroup,
     seq_dim: int = 0,
     cu_seqlens: Optional[torch.Tensor] = None,
+    natural_index: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Gather this rank's zigzag shard into the full sequence in natural token order.
 
@@ -839,16 +1021,20 @@ def gather_zigzag_sequence(
         group: CP group.
         cu_seqlens: global cumulative lengths for THD (a host copy avoids a device sync),
             None for SBHD.
+        natural_index: the prebuilt device index of a finalized micro-batch
+            (:meth:`PackedSeqMetadata.gather_index`); then ``cu_seqlens`` is not read.
 
     Returns:
         ``[s_local * CP, ...]`` on ``seq_dim``, natural order, same dtype. Differentiable.
     """
-    cp_size = group.size()
-    cu = _zigzag_cu_seqlens(cu_seqlens, x.shape[seq_dim] * cp_size, cp_size)
-    order = torch.cat([_zigzag_tokens(cu, cp_size, r) for r in range(cp_size)])
-    natural_index = torch.empty_like(order)
-    natural_index[order] = torch.arange(order.numel())
-    return _GatherZigzag.apply(x, group, seq_dim, host_to_device(natural_index, x.device))
+    if natural_index is None:
+        cp_size = group.size()
+        cu = _zigzag_cu_seqlens(cu_seqlens, x.shape[seq_dim] * cp_size, cp_size)
+        order = torch.cat([_zigzag_tokens(cu, cp_size, r) for r in range(cp_size)])
+        natural_index = torch.empty_like(order)
+        natural_index[order] = torch.arange(order.numel())
+        natural_index = host_to_device(natural_index, x.device)
+    return _GatherZigzag.apply(x, group, seq_dim, natural_index)
 
 
 def scatter_zigzag_sequence(
@@ -856,6 +1042,7 @@ def scatter_zigzag_sequence(
     group: dist.ProcessGroup,
     seq_dim: int = 0,
     cu_seqlens: Optional[torch.Tensor] = None,
+    local_order: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Keep this rank's zigzag part of a full natural-order sequence (inverse of the gather).
 
@@ -864,11 +1051,14 @@ def scatter_zigzag_sequence(
         group: CP group; the rank's position in it picks the part.
         cu_seqlens: global cumulative lengths for THD (a host copy avoids a device sync),
             None for SBHD.
+        local_order: the prebuilt device index of a finalized micro-batch
+            (:meth:`PackedSeqMetadata.gather_index`); then ``cu_seqlens`` is not read.
 
     Returns:
         ``[s_global / CP, ...]``, zigzag order, same dtype. Differentiable (no collective).
     """
-    cp_size = group.size()
-    cu = _zigzag_cu_seqlens(cu_seqlens, x_full.shape[seq_dim], cp_size)
-    order = _zigzag_tokens(cu, cp_size, group.rank())
-    return x_full.index_select(seq_dim, host_to_device(order, x_full.device))
+    if local_order is None:
+        cp_size = group.size()
+        cu = _zigzag_cu_seqlens(cu_seqlens, x_full.shape[seq_dim], cp_size)
+        local_order = host_to_device(_zigzag_tokens(cu, cp_size, group.rank()), x_full.device)
+    return x_full.index_select(seq_dim, local_order)

@@ -571,21 +571,25 @@ def gdn_prepare_qkv_fused_copies(text: str, path: str = "gated_delta_net.py") ->
     return Result(module.code)
 
 
-CU_SEQLENS_CPU_CACHE_FIELD = '''# Host copy of the packed boundaries for GDN layers, made once per micro-batch
-# (megatron.core.ssm.gdn_context_parallel.attach_cu_seqlens_cpu); not passed to TE attention.
-cu_seqlens_cpu_cache: object = None
+PACKED_METADATA_FIELDS = '''# This rank's THD zigzag <-> contiguous CP route, set once per micro-batch by
+# megatron.core.context_parallel_layout.finalize_packed_seq_params (None: SBHD or CP=1).
+cp_partition_route: object = None
+# The GDN layers' metadata of the micro-batch (gdn_context_parallel.PackedSeqMetadata), set by
+# finalize_packed_seq_params; neither field is passed to TE attention.
+gdn_packed_metadata: object = None
 '''
+PACKED_METADATA_FIELD_NAMES = ("cp_partition_route", "gdn_packed_metadata")
 
 
-@register("packed_seq_params_cu_seqlens_cpu_cache")
-def packed_seq_params_cu_seqlens_cpu_cache(text: str, path: str = "packed_seq_params.py") -> Result:
-    """Our adaptation (beyond upstream): add ``PackedSeqParams.cu_seqlens_cpu_cache`` (default
-    None) after ``seq_idx``, the per-micro-batch host copy of the boundaries that GDN layers
-    share (``gdn_context_parallel.PackedCuSeqlens``).
+@register("packed_seq_params_metadata_fields")
+def packed_seq_params_metadata_fields(text: str, path: str = "packed_seq_params.py") -> Result:
+    """Add ``PackedSeqParams.cp_partition_route`` (upstream dev's field name) and our
+    ``gdn_packed_metadata`` (both default None) after ``seq_idx``: the per-micro-batch state
+    that ``gdn_context_parallel.finalize_packed_seq_params`` builds and the GDN layers read.
 
     Raises:
         ApplyError: ``class PackedSeqParams`` or its ``seq_idx`` field is missing.
-        BindingExists: the class already binds ``cu_seqlens_cpu_cache`` in another form.
+        BindingExists: the class already binds one of the fields in another form.
     """
     module = parse(text, path)
     cls = find_class(module, "PackedSeqParams", path)
@@ -593,19 +597,29 @@ def packed_seq_params_cu_seqlens_cpu_cache(text: str, path: str = "packed_seq_pa
     idx = next((i for i, s in enumerate(body) if _is_ann_assign(s, "seq_idx")), None)
     if idx is None:
         raise ApplyError(f"{path}: anchor PackedSeqParams.seq_idx not found.")
-    field = statements(CU_SEQLENS_CPU_CACHE_FIELD)
-    existing = _existing_binding(module, cls, "cu_seqlens_cpu_cache")
-    if existing is not None:
-        if _normalised(code_of(existing, module)) == _normalised(code_of(field[0], module)):
-            return Result(text, "already-present")
-        raise _binding_exists(module, existing, "PackedSeqParams", "cu_seqlens_cpu_cache", path)
-    body[idx + 1:idx + 1] = field
+    fields = statements(PACKED_METADATA_FIELDS)
+    present = 0
+    for name, field in zip(PACKED_METADATA_FIELD_NAMES, fields):
+        existing = _existing_binding(module, cls, name)
+        if existing is None:
+            continue
+        if _normalised(code_of(existing, module)) != _normalised(code_of(field, module)):
+            raise _binding_exists(module, existing, "PackedSeqParams", name, path)
+        present += 1
+    if present == len(fields):
+        return Result(text, "already-present")
+    if present:
+        raise ApplyError(
+            f"{path}: PackedSeqParams binds only some of {', '.join(PACKED_METADATA_FIELD_NAMES)}.",
+            hint="Drop those fields from the carried patch (the recipe adds both).")
+    body[idx + 1:idx + 1] = fields
     return Result(replace_node(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)), path).code)
 
 
-TE_SKIP_CU_SEQLENS_CPU_CACHE = '''
-# cu_seqlens_cpu_cache is only for GDN layers and should not be forwarded to TE attention.
-self.kept_packed_seq_params.discard("cu_seqlens_cpu_cache")
+TE_SKIP_PACKED_METADATA = '''
+# cp_partition_route and gdn_packed_metadata serve the GDN layers only, not TE attention.
+self.kept_packed_seq_params.discard("cp_partition_route")
+self.kept_packed_seq_params.discard("gdn_packed_metadata")
 '''
 
 
@@ -616,11 +630,12 @@ def _is_discard_of(stmt, name: str) -> bool:
         args=[m.Arg(value=m.SimpleString(f'"{name}"') | m.SimpleString(f"'{name}'"))]))]))
 
 
-@register("te_attention_skip_cu_seqlens_cpu_cache")
-def te_attention_skip_cu_seqlens_cpu_cache(text: str, path: str = "transformer_engine.py") -> Result:
+@register("te_attention_skip_packed_metadata")
+def te_attention_skip_packed_metadata(text: str, path: str = "transformer_engine.py") -> Result:
     """Our adaptation (beyond upstream): ``TEDotProductAttention.__init__`` keeps the new
-    ``PackedSeqParams.cu_seqlens_cpu_cache`` field out of the keyword arguments it hands TE's
-    attention (it passes every other field by name), right after it discards ``seq_idx``.
+    ``PackedSeqParams`` fields ``cp_partition_route`` and ``gdn_packed_metadata`` out of the
+    keyword arguments it hands TE's attention (it passes every other field by name), right
+    after it discards ``seq_idx``.
 
     Raises:
         ApplyError: ``class TEDotProductAttention``, its ``__init__`` or the
@@ -630,12 +645,59 @@ def te_attention_skip_cu_seqlens_cpu_cache(text: str, path: str = "transformer_e
     cls = find_class(module, "TEDotProductAttention", path)
     init = find_function(cls.body.body, "__init__", f"{path}: TEDotProductAttention")
     body = list(init.body.body)
-    if any(_is_discard_of(s, "cu_seqlens_cpu_cache") for s in body):
+    if all(any(_is_discard_of(s, name) for s in body) for name in PACKED_METADATA_FIELD_NAMES):
         return Result(text, "already-present")
     idx = next((i for i, s in enumerate(body) if _is_discard_of(s, "seq_idx")), None)
     if idx is None:
         raise ApplyError(f"{path}: anchor `self.kept_packed_seq_params.discard(\"seq_idx\")` in "
                          "TEDotProductAttention.__init__ not found.")
-    body[idx + 1:idx + 1] = statements(TE_SKIP_CU_SEQLENS_CPU_CACHE)
+    body[idx + 1:idx + 1] = statements(TE_SKIP_PACKED_METADATA)
     new_init = init.with_changes(body=init.body.with_changes(body=body))
     return Result(replace_node(module, init, new_init, path).code)
+
+
+LAYOUT_FINALIZE_EXPORT = '''
+
+# Upstream dev (PR #6387) builds a packed micro-batch's CP metadata once, when the batch is
+# made; this tree's implementation serves the GDN layers and lives beside them.
+from megatron.core.ssm.gdn_context_parallel import (  # noqa: E402
+    finalize_packed_seq_params,
+    prebuild_thd_cp_partition_routes,
+)
+'''
+LAYOUT_FINALIZE_NAMES = ("finalize_packed_seq_params", "prebuild_thd_cp_partition_routes")
+
+
+@register("context_parallel_layout_finalize_export")
+def context_parallel_layout_finalize_export(text: str, path: str = "context_parallel_layout.py") -> Result:
+    """Our adaptation (upstream dev's entry point on this tree): at the end of
+    ``megatron/core/context_parallel_layout.py``, re-export ``finalize_packed_seq_params`` and
+    ``prebuild_thd_cp_partition_routes`` from ``megatron.core.ssm.gdn_context_parallel``, so that
+    ``from megatron.core.context_parallel_layout import finalize_packed_seq_params`` (upstream
+    dev d48bd6be's import) works unchanged.
+
+    Raises:
+        ApplyError: the module has no ``zigzag_to_contiguous_chunks`` (not the 5139086e module).
+        BindingExists: the module already binds one of the names in another form.
+    """
+    module = parse(text, path)
+    defined = {st.name.value for st in module.body if isinstance(st, cst.FunctionDef)}
+    if "zigzag_to_contiguous_chunks" not in defined:
+        raise ApplyError(f"{path}: anchor def zigzag_to_contiguous_chunks not found.")
+    new = statements(LAYOUT_FINALIZE_EXPORT)
+    for st in module.body:
+        if m.matches(st, m.SimpleStatementLine(body=[m.ImportFrom()])) and any(
+                m.matches(a, m.ImportAlias(name=m.Name(n))) for n in LAYOUT_FINALIZE_NAMES
+                for a in (st.body[0].names if not isinstance(st.body[0].names, cst.ImportStar) else [])):
+            if _normalised(code_of(st, module)) == _normalised(code_of(new[0], module)):
+                return Result(text, "already-present")
+            raise BindingExists(
+                f"{path}: the module already imports {', '.join(LAYOUT_FINALIZE_NAMES)} in another form "
+                f"(line {_line_of(module, st)}).", scope="", name=LAYOUT_FINALIZE_NAMES[0],
+                lineno=_line_of(module, st),
+                hint="Drop that import from the carried patch (the recipe adds it), or give it the recipe's form.")
+    clash = sorted(defined & set(LAYOUT_FINALIZE_NAMES))
+    if clash:
+        raise BindingExists(f"{path}: the module already defines {', '.join(clash)}.", scope="", name=clash[0],
+                            lineno=0, hint="Drop that definition from the carried patch (the recipe re-exports ours).")
+    return Result(module.with_changes(body=list(module.body) + new).code)
