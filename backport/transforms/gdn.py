@@ -660,7 +660,7 @@ LAYOUT_FINALIZE_EXPORT = '''
 
 # Upstream dev (PR #6387) builds a packed micro-batch's CP metadata once, when the batch is
 # made; this tree's implementation serves the GDN layers and lives beside them.
-from megatron.core.ssm.gdn_context_parallel import (  # noqa: E402
+from megatron.core.ssm.gdn_context_parallel import (  # pylint: disable=unused-import
     finalize_packed_seq_params,
     prebuild_thd_cp_partition_routes,
 )
@@ -701,3 +701,126 @@ def context_parallel_layout_finalize_export(text: str, path: str = "context_para
         raise BindingExists(f"{path}: the module already defines {', '.join(clash)}.", scope="", name=clash[0],
                             lineno=0, hint="Drop that definition from the carried patch (the recipe re-exports ours).")
     return Result(module.with_changes(body=list(module.body) + new).code)
+
+
+FINALIZE_IMPORT = "from megatron.core.context_parallel_layout import finalize_packed_seq_params\n"
+
+
+def _imports_name(stmt, name: str) -> bool:
+    return m.matches(stmt, m.SimpleStatementLine(body=[m.ImportFrom(names=[m.ZeroOrMore(), m.ImportAlias(
+        name=m.Name(name)), m.ZeroOrMore()])]))
+
+
+def _import_module_name(stmt) -> str | None:
+    if m.matches(stmt, m.SimpleStatementLine(body=[m.ImportFrom()])) and stmt.body[0].module is not None:
+        return cst.Module([]).code_for_node(stmt.body[0].module)
+    return None
+
+
+def _with_finalize_import(module: cst.Module, path: str) -> cst.Module:
+    # The import goes into the block of imports that holds the module's import of
+    # PackedSeqParams, at its isort place (profile black: from-imports sorted by module name).
+    body = list(module.body)
+    if any(_imports_name(st, "finalize_packed_seq_params") for st in body):
+        return module
+    at = next((i for i, st in enumerate(body) if _imports_name(st, "PackedSeqParams")), None)
+    if at is None:
+        raise ApplyError(f"{path}: anchor `from megatron.core.packed_seq_params import PackedSeqParams` not found.")
+    first = at
+    while first > 0 and _import_module_name(body[first - 1]) and not body[first].leading_lines:
+        first -= 1
+    target = "megatron.core.context_parallel_layout"
+    where = first
+    while where <= at and (_import_module_name(body[where]) or "") < target:
+        where += 1
+    anchor = body[where]
+    new = statements(FINALIZE_IMPORT)[0].with_changes(leading_lines=anchor.leading_lines)
+    body[where:where + 1] = [new, anchor.with_changes(leading_lines=[])]
+    return module.with_changes(body=body)
+
+
+def _is_psp_call(node) -> bool:
+    return m.matches(node, m.Call(func=m.Name("PackedSeqParams")))
+
+
+def _finalize_call(kwargs: dict) -> str:
+    # finalize_packed_seq_params(packed_seq_params, k=v...) as black writes it (line length 100).
+    one = ", ".join(["packed_seq_params", *(f"{k}={v}" for k, v in kwargs.items())])
+    if len(one) + len("    finalize_packed_seq_params()") <= 100:
+        return f"finalize_packed_seq_params({one})\n"
+    args = "".join(f"    {k}={v},\n" for k, v in kwargs.items())
+    return f"finalize_packed_seq_params(\n    packed_seq_params,\n{args})\n"
+
+
+FINALIZE_COMMENT = "# The micro-batch is final here: build its CP metadata once (no sync in the model).\n"
+
+
+def _finalize_packed_batch(text: str, path: str, function: str, kwargs: dict | None = None) -> Result:
+    """In module-level ``function``, finalize the packed micro-batch it builds: after the last
+    top-level ``packed_seq_params = PackedSeqParams(...)`` insert
+    ``finalize_packed_seq_params(packed_seq_params, **kwargs)``. A function that ends in an
+    ``if``/``else`` whose branches each ``return PackedSeqParams(...)`` assigns instead and
+    returns the finalized object once after it. Adds the import once.
+
+    Raises:
+        ApplyError: ``function``, the PackedSeqParams import, or either anchor is missing.
+    """
+    module = parse(text, path)
+    fn = find_function(module.body, function, path)
+    if m.findall(fn, m.Call(func=m.Name("finalize_packed_seq_params"))):
+        return Result(text, "already-present")
+    body = list(fn.body.body)
+    finalize = statements(FINALIZE_COMMENT + _finalize_call(kwargs or {}))
+    assign = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name("packed_seq_params"))],
+                                                  value=m.Call(func=m.Name("PackedSeqParams")))])
+    returns = m.SimpleStatementLine(body=[m.Return(value=m.Call(func=m.Name("PackedSeqParams")))])
+    at = [i for i, st in enumerate(body) if m.matches(st, assign)]
+    last = body[-1] if body else None
+    if at:
+        body[at[-1] + 1:at[-1] + 1] = finalize
+    elif (isinstance(last, cst.If) and isinstance(last.orelse, cst.Else)
+          and all(branch.body.body and m.matches(branch.body.body[-1], returns) for branch in (last, last.orelse))):
+        def assigned(branch):
+            *rest, ret = branch.body.body
+            new = ret.with_changes(body=[cst.Assign(targets=[cst.AssignTarget(cst.Name("packed_seq_params"))],
+                                                    value=ret.body[0].value)])
+            return branch.with_changes(body=branch.body.with_changes(body=[*rest, new]))
+        body[-1] = assigned(last).with_changes(orelse=assigned(last.orelse))
+        body += [_blank_line_before(finalize[0]), *finalize[1:], *statements("return packed_seq_params\n")]
+    else:
+        raise ApplyError(f"{path}: {function} neither assigns packed_seq_params = PackedSeqParams(...) nor ends "
+                         "in an if/else returning PackedSeqParams(...) from each branch: anchor not found.")
+    module = replace_node(module, fn, fn.with_changes(body=fn.body.with_changes(body=body)), path)
+    return Result(_with_finalize_import(module, path).code)
+
+
+@register("bridge_packed_seq_utils_finalize")
+def bridge_packed_seq_utils_finalize(text: str, path: str = "packed_seq_utils.py") -> Result:
+    """Megatron-Bridge's ``get_packed_seq_params`` (every Bridge step's packed micro-batch:
+    GPT, VLM, audio, LLaVA) returns a finalized ``PackedSeqParams``."""
+    return _finalize_packed_batch(text, path, "get_packed_seq_params")
+
+
+@register("mcore_data_schedule_finalize")
+def mcore_data_schedule_finalize(text: str, path: str = "data_schedule.py") -> Result:
+    """MCore's sequence-packing batch (``get_batch_on_this_rank_for_sequence_packing``, the
+    dynamic-CP scheduler's, after its broadcast into the boundary buffers) is finalized."""
+    return _finalize_packed_batch(text, path, "get_batch_on_this_rank_for_sequence_packing")
+
+
+@register("qwen3_vl_finalize_packed")
+def qwen3_vl_finalize_packed(text: str, path: str = "utils.py") -> Result:
+    """Qwen3-VL's repack to THD (``preprocess_packed_seqs``) finalizes the repacked micro-batch
+    from the host boundaries it already holds (``cu_seqlens_padded_cpu``): no sync."""
+    return _finalize_packed_batch(
+        text, path, "preprocess_packed_seqs",
+        {"cu_seqlens_cpu": "torch.tensor(cu_seqlens_padded_cpu, dtype=cu_seqlens_padded.dtype)"})
+
+
+@register("qwen3_vl_step_finalize_packed")
+def qwen3_vl_step_finalize_packed(text: str, path: str = "qwen3_vl_step.py") -> Result:
+    """Qwen3-VL's step packs rows of ``target_len`` tokens: it finalizes that micro-batch from
+    those host lengths (no sync)."""
+    return _finalize_packed_batch(
+        text, path, "pack_or_pad_batch_sequences",
+        {"cu_seqlens_cpu": "torch.arange(batch_size + 1, dtype=cu_seqlens_padded.dtype) * target_len"})
