@@ -58,6 +58,27 @@ class LinearCPError(ValueError):
     """A GDN context-parallel setting or input that cannot run; the message says what to change."""
 
 
+#: What the packed-metadata path did in this process, by event (read and reset by tests and
+#: benchmarks; never read by the layers): ``finalized`` (metadata built by
+#: :func:`finalize_packed_seq_params`), ``layer_built`` (built by a GDN layer because the
+#: micro-batch was not finalized or its metadata no longer matched), ``host_copies``
+#: (device->host copies of boundaries), ``routes`` (:class:`ThdLayoutRoutes` built),
+#: ``gather_indices`` (all_gather index pairs built), ``fla_contexts`` (FLA
+#: ``build_cp_context`` calls), ``late_builds`` (any of the last three built by a layer on a
+#: finalized micro-batch because its mode was not prebuilt).
+PACKED_METADATA_COUNTS: "collections.Counter[str]" = collections.Counter()
+
+#: The linear_cp_modes GatedDeltaNet layers of this process were built with
+#: (:func:`register_linear_cp_mode`); :func:`finalize_packed_seq_params` prebuilds their CP state.
+_LAYER_MODES: set = set()
+
+
+def register_linear_cp_mode(mode: str) -> None:
+    """Record that a GatedDeltaNet layer of ``mode`` was built (called from its ``__init__``), so
+    that :func:`finalize_packed_seq_params` prebuilds exactly the CP state that mode reads."""
+    _LAYER_MODES.add(check_linear_cp_mode(mode))
+
+
 #: FLA (flash-linear-attention / fla-core) releases the GDN layers are tested with. 0.4.2: triton
 #: 3.6.0. 0.5.2: triton >= 3.7.1 on Hopper (FLA refuses its gated backward with triton >= 3.4.0,
 #: < 3.7.1 there unless tilelang is usable); it runs FlashQLA instead of its Triton kernels when
@@ -364,6 +385,7 @@ def _copy_cu_seqlens_to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tens
     Returns:
         Host copies, one per tensor, each in the dtype of its tensor.
     """
+    PACKED_METADATA_COUNTS["host_copies"] += 1
     if len(tensors) == 1:
         tensor = tensors[0].detach()
         return [tensor.clone() if tensor.device.type == "cpu" else tensor.to("cpu")]
@@ -455,15 +477,6 @@ def _cp_key(cp_group: Optional[dist.ProcessGroup]) -> tuple:
         return (None, 1, 0)
     return (cp_group, cp_group.size(), cp_group.rank())
 
-
-#: What the packed-metadata path did in this process, by event (read and reset by tests and
-#: benchmarks; never read by the layers): ``finalized`` (metadata built by
-#: :func:`finalize_packed_seq_params`), ``layer_built`` (built by a GDN layer because the
-#: micro-batch was not finalized or its metadata no longer matched), ``host_copies``
-#: (device->host copies of boundaries), ``routes`` (:class:`ThdLayoutRoutes` built),
-#: ``gather_indices`` (all_gather index pairs built), ``fla_contexts`` (FLA
-#: ``build_cp_context`` calls).
-PACKED_METADATA_COUNTS: "collections.Counter[str]" = collections.Counter()
 
 _NOT_FINALIZED_WARNED = False
 
@@ -558,6 +571,7 @@ class PackedSeqMetadata:
         self.route: Optional[ThdLayoutRoutes] = None
         self._gather_index: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._fla_contexts: dict = {}
+        self._built = False
         if self.size > 1:
             _route_cu_seqlens(self.cu_seqlens_cpu, self.size)
             for mode in linear_cp_modes:
@@ -566,6 +580,7 @@ class PackedSeqMetadata:
                     self.fla_cp_context(None)
                 elif mode == "all_gather":
                     self.gather_index()
+        self._built = finalized
 
     def matches(self, packed_seq_params, cp_group: Optional[dist.ProcessGroup] = None) -> bool:
         """True when this still describes ``packed_seq_params`` run on ``cp_group``.
@@ -588,11 +603,16 @@ class PackedSeqMetadata:
         now = _cp_key(cp_group)
         return now[0] is self._cp[0] and now[1:] == self._cp[1:]
 
+    def _count_late(self):
+        if self._built:
+            PACKED_METADATA_COUNTS["late_builds"] += 1
+
     def layout_route(self) -> "ThdLayoutRoutes":
         """The chunkwise zigzag <-> contiguous route of this rank (built on first use)."""
         if self.route is None:
             self.route = ThdLayoutRoutes(self.cu_seqlens_cpu, self.group, self.cu_seqlens.device)
             PACKED_METADATA_COUNTS["routes"] += 1
+            self._count_late()
         return self.route
 
     def gather_index(self) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -610,6 +630,7 @@ class PackedSeqMetadata:
                 _own_device_copy(local, device),
             )
             PACKED_METADATA_COUNTS["gather_indices"] += 1
+            self._count_late()
         return self._gather_index
 
     def fla_cp_context(self, conv1d_kernel_size: Optional[int]):
@@ -630,6 +651,7 @@ class PackedSeqMetadata:
                 cu_seqlens_cpu=self.cu_seqlens_cpu,
             )
             PACKED_METADATA_COUNTS["fla_contexts"] += 1
+            self._count_late()
         else:
             context = dataclasses.replace(
                 next(iter(self._fla_contexts.values())), conv1d_kernel_size=conv1d_kernel_size
@@ -689,8 +711,10 @@ def finalize_packed_seq_params(
             all. Its values are trusted to equal the device tensor's (they cannot be compared
             without a sync).
         cp_group: the CP group, overriding the resolution above.
-        linear_cp_modes: the GDN modes to prebuild CP state for (default: all three; the
-            headwise mode needs none).
+        linear_cp_modes: the GDN modes to prebuild CP state for (default: the modes the
+            GatedDeltaNet layers of this process were built with, :func:`register_linear_cp_mode`;
+            the headwise mode needs none). A mode left out is built by the first layer that
+            needs it, on the host (no sync; counted as ``late_builds``).
 
     Returns:
         ``packed_seq_params``.
@@ -708,7 +732,7 @@ def finalize_packed_seq_params(
         packed_seq_params.cp_group = cp_group
     if getattr(packed_seq_params, "qkv_format", None) != "thd":
         return packed_seq_params
-    modes = LINEAR_CP_MODES if linear_cp_modes is None else tuple(linear_cp_modes)
+    modes = sorted(_LAYER_MODES) if linear_cp_modes is None else tuple(linear_cp_modes)
     for mode in modes:
         check_linear_cp_mode(mode)
     metadata = PackedSeqMetadata(

@@ -315,6 +315,22 @@ def gdn_init_check_linear_cp(text: str, path: str = "gated_delta_net.py") -> Res
                               "check the CP mode")
 
 
+GDN_REGISTER_MODE = '''
+# finalize_packed_seq_params prebuilds, per packed micro-batch, the CP state of this mode.
+gdn_context_parallel.register_linear_cp_mode(self.config.linear_cp_mode)
+'''
+
+
+@register("gdn_init_register_linear_cp_mode")
+def gdn_init_register_linear_cp_mode(text: str, path: str = "gated_delta_net.py") -> Result:
+    """In ``GatedDeltaNet.__init__``, right after the CP mode check, record the layer's mode
+    (``gdn_context_parallel.register_linear_cp_mode``) for ``finalize_packed_seq_params``."""
+    check = m.SimpleStatementLine(body=[m.Expr(value=m.Call(func=m.Attribute(attr=m.Name("check_linear_cp_geometry"))))])
+    return _insert_init_check(text, path, lambda st: m.matches(st, check),
+                              "`gdn_context_parallel.check_linear_cp_geometry(...)`", GDN_REGISTER_MODE,
+                              "register_linear_cp_mode", "record the CP mode")
+
+
 GDN_FLA_VERSION_CHECK = '''
 # FLA moved chunk_gated_delta_rule's parameters between releases: refuse others by name.
 gdn_context_parallel.check_fla_version()
