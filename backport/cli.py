@@ -158,10 +158,10 @@ def _save_traceback(exc: BaseException, places: list) -> Optional[Path]:
 @click.option("--no-wait", is_flag=True, help="Exit 15 at once when another run holds the output folder or a cache entry, instead of waiting for it.")
 @click.option("--debug", "debug", is_flag=True, help="Print the traceback of an error (otherwise it goes to a log file whose path is printed).")
 @click.option("-v", "--verbose", "verbose", is_flag=True, help="Alias of --debug.")
-@click.version_option(__version__)
+@click.option("--version", "version", is_flag=True, help="Print the version and exit (on its own only).")
 def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, release, out,
         allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks, summary, no_wait, debug,
-        verbose):
+        verbose, version):
     """Backport Megatron-LM chunkwise CP for Gated DeltaNet onto the pinned tree.
 
     Writes patches/megatron/<YYYYMMDD>-<base9>[-carry-<sha8>].patch, patches/latest/megatron.patch and the
@@ -179,6 +179,10 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
     step = {"now": "checking the inputs"}
     cache = cache_dir or None
     try:
+        refuse_unused_flags(click.get_current_context())
+        if version:
+            click.echo(f"tools/backport, version {__version__}")
+            return
         out = _out_folder(out)
         from .cache import default_cache_dir
 
@@ -214,6 +218,88 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
             hint += f" The traceback is in {log}." if log else " Re-run with --debug for the traceback."
         click.echo(f"error: {message}\nhint: {hint}", err=True)
         sys.exit(1)
+
+
+#: The action a run does, named by its action flag (none: write the outputs).
+ACTION_FLAGS = {"summary": "summary", "list_hunks": "list-hunks", "check": "check", "dry_run": "dry-run"}
+#: What each action does, for the refusals.
+ACTION_DOES = {"write": "writes the outputs", "dry-run": "writes the outputs to a scratch folder only",
+               "check": "compares a fresh build with the outputs on disk and writes nothing",
+               "list-hunks": "only lists the upstream commit's hunks",
+               "summary": "only prints the last run's table from its manifest"}
+_BUILDS = frozenset({"write", "dry-run", "check"})
+_ALL = frozenset(ACTION_DOES)
+#: Flag (click parameter name) -> the actions it takes effect in. A flag given on the command line
+#: to any other action is refused (exit 2) naming both flags, never silently dropped;
+#: tests/unit/test_cli_flags.py runs every pair of the click definition's flags against it, so a new
+#: flag must be entered here.
+FLAG_ACTIONS = {
+    "upstream": _BUILDS | {"list-hunks"}, "bridge": _BUILDS, "mcore_base": _BUILDS,
+    "recipe": _BUILDS | {"list-hunks"}, "megatron_lm": _BUILDS | {"list-hunks"}, "megatron_bridge": _BUILDS,
+    "cache_dir": _BUILDS | {"list-hunks"}, "offline": _BUILDS | {"list-hunks"}, "no_wait": _BUILDS | {"list-hunks"},
+    "carry": _BUILDS, "date": _BUILDS, "release": frozenset({"write", "dry-run"}),
+    "out": frozenset({"write", "dry-run", "check", "summary"}),  # dry-run: the lock there gives the date
+    "allow_pin_mismatch": _BUILDS, "no_import_check": _BUILDS, "python": _BUILDS,
+    "no_trees": frozenset({"write"}),  # --dry-run never writes trees, --check writes nothing
+    "debug": _ALL, "verbose": _ALL,  # how an error is shown
+    "version": frozenset(),  # on its own only
+    **{name: frozenset({action}) for name, action in ACTION_FLAGS.items()},
+}
+#: Pairs of flags that exclude each other whatever the action: (a, b, message, hint).
+EXCLUDED_PAIRS = (
+    ("python", "no_import_check",
+     "--python and --no-import-check exclude each other: --python names the import check's interpreter, and "
+     "--no-import-check skips that check (the interpreter would be ignored).",
+     "Drop --no-import-check to run the import check with that interpreter, or drop --python."),
+    ("release", "no_import_check",
+     "--release makes a new lock, and a lock states that every check ran: it excludes --no-import-check.",
+     "Drop --no-import-check and pass --python an interpreter with torch, triton 3.6.0 and FLA 0.4.2 (e.g. "
+     "$PWD/.venv/bin/python after `make venv`)."),
+)
+
+
+def _flag(param: click.Parameter) -> str:
+    """The long spelling of a click option (``--verbose`` for ``-v/--verbose``)."""
+    return max(param.opts, key=len)
+
+
+def _uses(name: str) -> str:
+    actions = sorted(FLAG_ACTIONS.get(name, ()), key=list(ACTION_DOES).index)
+    return ", ".join("a plain run" if a == "write" else f"--{a}" for a in actions) or "nothing else"
+
+
+def refuse_unused_flags(ctx: click.Context) -> None:
+    """Refuse, before any work, a flag given on the command line that the run's action would not
+    use (:data:`FLAG_ACTIONS`), two action flags at once, and the pairs of :data:`EXCLUDED_PAIRS`:
+    every flag given either takes effect or the run exits 2 naming the flags that conflict.
+
+    Raises:
+        UsageError: naming both flags and what the action does.
+    """
+    from click.core import ParameterSource
+
+    params = {p.name: p for p in ctx.command.params}
+    given = [name for name in params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE]
+    if "version" in given and len(given) > 1:
+        other = _flag(params[next(n for n in given if n != "version")])
+        raise UsageError(f"--version and {other} exclude each other: --version only prints the version, and "
+                         f"{other} would be ignored.", hint="Run `tools/backport --version` on its own.")
+    actions = sorted((n for n in given if n in ACTION_FLAGS), key=list(ACTION_FLAGS).index)
+    if len(actions) > 1:
+        (a, b), (x, y) = (_flag(params[n]) for n in actions[:2]), (ACTION_FLAGS[n] for n in actions[:2])
+        raise UsageError(f"{a} and {b} exclude each other: {a} {ACTION_DOES[x]}, and {b} {ACTION_DOES[y]}; one run "
+                         "does one of them.", hint="Run them as two commands.")
+    action = ACTION_FLAGS[actions[0]] if actions else "write"
+    named = f"--{action}" if actions else "a plain run"
+    for name in given:
+        if action not in FLAG_ACTIONS.get(name, _ALL):
+            flag = _flag(params[name])
+            raise UsageError(f"{named} and {flag} exclude each other: {named} {ACTION_DOES[action]}, and {flag} "
+                             "would be ignored.",
+                             hint=f"Drop {flag} (it takes effect with {_uses(name)}), or run them as two commands.")
+    for a, b, message, hint in EXCLUDED_PAIRS:
+        if a in given and b in given:
+            raise UsageError(message, hint=hint)
 
 
 def _out_folder(value: str) -> Path:
@@ -269,21 +355,6 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
     from .cache import default_cache_dir
 
     carry = _carry_read_once(carry)
-
-    if dry_run and check:
-        raise UsageError("--dry-run and --check exclude each other.", hint="Use one of them.")
-    if list_hunks and (check or dry_run or release):
-        flag = "--check" if check else "--dry-run" if dry_run else "--release"
-        raise UsageError(f"--list-hunks and {flag} exclude each other: --list-hunks only lists the upstream hunks "
-                         "and would check or write nothing.", hint="Run them as two commands.")
-    if release and (check or list_hunks):
-        raise UsageError("--release makes new outputs; it excludes --check and --list-hunks.",
-                         hint="Drop --release, or run it on its own.")
-    if release and no_import_check:
-        raise UsageError("--release makes a new lock, and a lock states that every check ran: it excludes "
-                         "--no-import-check.",
-                         hint="Drop --no-import-check and pass --python an interpreter with torch, triton 3.6.0 "
-                              "and FLA 0.4.2 (e.g. $PWD/.venv/bin/python after `make venv`).")
 
     def options(day: Optional[str]) -> "run_options.Options":
         return run_options.Options(
@@ -404,9 +475,12 @@ def _lock_cause(old: dict, new: dict, carry: Optional[Path]) -> str:
     """Which input made a same-day lock change, as far as the two locks tell: the recipe (its
     sha256), the pins, the carried patch (the patch name carries its digest), else the tool's code."""
     causes = []
-    if carry is not None and (old.get("patch") or {}).get("name") != new["patch"]["name"]:
+    def field(key: str) -> dict:
+        return old.get(key) if isinstance(old.get(key), dict) else {}
+
+    if carry is not None and field("patch").get("name") != new["patch"]["name"]:
         causes.append(f"The carried patch ({carry.name})")
-    if (old.get("recipe") or {}).get("sha256") != new["recipe"]["sha256"]:
+    if field("recipe").get("sha256") != new["recipe"]["sha256"]:
         causes.append("the recipe")
     if old.get("pins") != new["pins"]:
         causes.append("the pins")
@@ -462,10 +536,14 @@ def _lock_pins(out: Path, recipe: Path, allow_pin_mismatch: bool, say) -> tuple[
 def _print_summary(out: Path) -> None:
     """``--summary``: the table of the run that wrote ``<out>/patches/latest/manifest.json``."""
     path = out / "patches" / "latest" / "manifest.json"
+    from .readers import manifest_view
+
     manifest = _read_json(path)
+    hint = "Run `tools/backport --upstream 5139086e` first (or pass --out where it wrote)."
     if manifest is None or "patch" not in manifest:
-        raise UsageError(f"--summary: {path} is missing or not a manifest.",
-                         hint="Run `tools/backport --upstream 5139086e` first (or pass --out where it wrote).")
+        raise UsageError(f"--summary: {path} is missing or not a manifest.", hint=hint)
+    manifest_view(manifest, path, "--summary", "Write it again with `tools/backport` (pass --out where it wrote; "
+                                               "with the same --carry, --bridge or --date as before).")
     Console(width=200).print(_summary_table(manifest, [str(path)], "summary"))
 
 

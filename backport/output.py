@@ -588,7 +588,7 @@ def lock_changes(old: "dict | None", new: dict) -> list[str]:
     if old.get("date") != new["date"]:
         changes.append(f"date {old.get('date')} -> {new['date']}")
     if old.get("patch") != new["patch"]:
-        o = old.get("patch") or {}
+        o = old.get("patch") if isinstance(old.get("patch"), dict) else {}
         changes.append(f"patch {o.get('name')} ({str(o.get('sha256'))[:12]}) -> "
                        f"{new['patch']['name']} ({new['patch']['sha256'][:12]})")
     for key in sorted((set(old) | set(new)) - {"date", "patch"}):

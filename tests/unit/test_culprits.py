@@ -393,8 +393,8 @@ def test_a_lock_that_is_a_folder_is_named_not_a_killed_run(args, tmp_path):
     """Hostile trial: it read "recovering <out> from a killed run failed: Is a directory" (exit 1)."""
     out = tmp_path / "out"
     (out / output.LOCK).mkdir(parents=True)
-    for extra, code in (([], 2), (["--check"], 8)):
-        result = run(args + ["--no-trees"] + extra, code)
+    for extra, code in ((["--no-trees"], 2), (["--check"], 8)):
+        result = run(args + extra, code)
         assert first_error(result.stderr) == f"error: {out / output.LOCK} is a folder, not the lock file"
         assert "killed run" not in result.stderr
 
