@@ -63,7 +63,10 @@ def _summary_table(m: dict, written: list, mode: str, timings: Optional[dict] = 
     _report_rows(table, m)
     t = timings
     if t is not None:
-        table.add_row("time", f"{t['total_s']:.1f} s ({'cold' if cold else 'warm'}: sources {t['sources_s']:.1f}, tree {t['base_tree_s']:.1f}, recipe {t['recipe_s']:.1f}, verify {t['verify_s']:.1f})")
+        write = f", write {t['write_s']:.1f}" if "write_s" in t else ""
+        total = t["total_s"] + t.get("write_s", 0.0)  # the build's total, then writing the outputs
+        table.add_row("time", f"{total:.1f} s ({'cold' if cold else 'warm'}: sources {t['sources_s']:.1f}, tree "
+                              f"{t['base_tree_s']:.1f}, recipe {t['recipe_s']:.1f}, verify {t['verify_s']:.1f}{write})")
     for path in written:
         table.add_row("wrote" if mode == "write" else mode, str(path))
     return table
@@ -385,7 +388,9 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
 
         step["now"] = "writing the dry-run outputs"
         scratch = Path(tempfile.mkdtemp(prefix="gdn-backport-dry-"))
+        t0 = time.perf_counter()
         written = output.write(build, scratch, trees=False)
+        build.timings["write_s"] = time.perf_counter() - t0
         Console(width=200).print(_summary(build, written, "dry-run"))
         click.echo(f"dry run: outputs in {scratch}; nothing else written (remove that folder when done)")
         return
@@ -410,8 +415,17 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
             bridge, mcore_base = _lock_pins(out, recipe, allow_pin_mismatch, say)
             from_lock = {what: sha for what, sha in (("Megatron-Bridge", bridge), ("MCore base", mcore_base)) if sha}
         opts = options(day)
-        lock_day = output.lock_date(out) if check else None
+        lock_day = output.lock_date(out) if check else output.lock_date(out, check=False) if no_import_check else None
         shown = f"{opts.date[:4]}-{opts.date[4:6]}-{opts.date[6:]}"
+        if not check and no_import_check and lock_day and shown != lock_day:
+            raise UsageError(f"{source} dates this run {shown}, and {out / output.LOCK} is dated {lock_day}: a new "
+                             "dated release makes a new lock, and a lock states that every check ran, so it excludes "
+                             "--no-import-check (as --release does).",
+                             hint=f"Drop --no-import-check to make the {shown} release, or drop "
+                                  f"{'--date' if source == '--date' else 'SOURCE_DATE_EPOCH'} to write the "
+                                  f"{lock_day} outputs without the import check.")
+        if not check:
+            _warn_pins_left(out, recipe, bridge, mcore_base)
         say(f"{'check: ' if check else ''}date {shown} from {source}")
         if check and lock_day and shown != lock_day:
             click.echo(f"warning: {output.LOCK} is dated {lock_day}; checking with another date ({source}) "
@@ -469,6 +483,35 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
             else:
                 click.echo(f"release: {output.LOCK} changed: {'; '.join(changes)}. Commit it to publish this "
                            f"release, or `git checkout {output.LOCK}` and run without --date/--release to undo.")
+
+
+def _warn_pins_left(out: Path, recipe: Path, bridge: Optional[str], mcore_base: Optional[str]) -> None:
+    """A run without ``--bridge``/``--mcore-base`` into an ``--out`` whose lock pins other commits
+    (written with them) goes back to the recipe's pins: one warning line says so, naming the
+    flag that keeps the lock's pins."""
+    if bridge is not None or mcore_base is not None:
+        return
+    from . import output
+    from .recipe import load_recipe
+
+    pins = (_read_json(out / output.LOCK) or {}).get("pins")
+    if not isinstance(pins, dict):
+        return
+    try:
+        default = load_recipe(recipe)[0].pins
+    except PipelineError:
+        return  # the build names the recipe's problem
+    moved = [(what, str(pins.get(key))) for what, key, want in (
+        ("Megatron-Bridge", "megatron_bridge", default.megatron_bridge), ("MCore base", "mcore_base", default.mcore_base))
+        if isinstance(pins.get(key), str) and pins.get(key) != want]
+    if moved:
+        keep = f"--bridge {str(pins.get('megatron_bridge'))[:12]}" + (
+            f" --mcore-base {str(pins.get('mcore_base'))[:12]} --allow-pin-mismatch"
+            if pins.get("mcore_base") != pins.get("bridge_dev_commit") else "")
+        click.echo(f"warning: {out / output.LOCK} pins {', '.join(f'{w} {sha[:12]}' for w, sha in moved)} (written "
+                   f"with --bridge); this run has no --bridge and goes back to the recipe's pins (Megatron-Bridge "
+                   f"{default.megatron_bridge[:12]}), replacing those outputs. To keep the lock's pins, run with "
+                   f"{keep}.", err=True)
 
 
 def _lock_cause(old: dict, new: dict, carry: Optional[Path]) -> str:
@@ -554,6 +597,18 @@ def _build(err, opts, say):
         return engine.build(opts, progress=lambda msg: (status.update(msg), say(msg)))
 
 
+def _utf8_file_names() -> None:
+    """Under a non-UTF-8 locale (``LC_ALL=C PYTHONUTF8=0``, ``en_US.ISO-8859-1``) run again in
+    Python's UTF-8 mode (``-X utf8``): the patch, the trees and git speak UTF-8 file names, which
+    an ASCII or Latin-1 file system encoding cannot write (a valid carry adding ``donnée.py`` was
+    refused as a patch that does not apply). Messages to a terminal of that locale stay escaped
+    (:func:`_ascii_safe_streams`)."""
+    encoding = sys.getfilesystemencoding().lower().replace("-", "").replace("_", "")
+    if sys.flags.utf8_mode or encoding == "utf8":  # after the exec utf8_mode is on: never a loop
+        return
+    os.execv(sys.executable, [sys.executable, "-X", "utf8", *sys.orig_argv[1:]])
+
+
 def _ascii_safe_streams() -> None:
     """Under a non-UTF-8 locale (LC_ALL=C, PYTHONUTF8=0) escape what the terminal cannot show."""
     for stream in (sys.stdout, sys.stderr):
@@ -593,6 +648,8 @@ def _raise_terminated(_signum, _frame):
 
 def main(argv: Optional[list] = None) -> None:
     """Entry point of ``tools/backport`` and the ``gdn-backport`` script."""
+    if argv is None:
+        _utf8_file_names()
     _ascii_safe_streams()
     import signal
 

@@ -134,9 +134,9 @@ def test_full_check_of_outputs_a_skipping_run_wrote_names_the_flag(args, tmp_pat
     lines = result.stderr.splitlines()
     assert "patches/latest/manifest.json (differs)" in first_error(result.stderr)
     hint = lines[lines.index(first_error(result.stderr)) + 1]
-    assert hint.startswith("hint: patches/latest was written by a run that skipped the import check "
-                           "(--no-import-check), which left manifests/lock.json alone: run `tools/backport` without "
-                           "--no-import-check")
+    assert hint.startswith(f"hint: patches/latest in {tmp_path / 'out'} was written by a run with --no-import-check "
+                           "(it skipped the import check (--no-import-check)), which left manifests/lock.json alone: "
+                           f"run `tools/backport --out {tmp_path / 'out'}` without --no-import-check")
     run(args, 0)  # the hint's own route
     run(args + ["--check"], 0)
 
@@ -375,7 +375,11 @@ def test_check_without_the_lock_names_the_lock(args, tmp_path):
     assert "manifests/lock.json (missing)" in error
     hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
     assert hint.startswith(f"hint: manifests/lock.json is missing from {tmp_path / 'out'} (the other outputs are "
-                           "there): restore it (`git checkout manifests/lock.json`)")
+                           f"there): write it with a plain run (`tools/backport --out {tmp_path / 'out'}`)")
+    assert "git checkout" not in hint  # --out is no git work tree
+    (tmp_path / "out" / ".git").mkdir()
+    hint = run(args + ["--check"], 8).stderr.splitlines()[-1]
+    assert "restore it (`git checkout manifests/lock.json`)" in hint
 
 
 def test_check_of_a_lock_pinning_an_unknown_bridge_names_the_lock(args, tmp_path, fake_repos):
