@@ -171,6 +171,10 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
     hunk manifest (JSON + Markdown), after verifying the patch against the pristine base.
     A plain run reproduces the date of manifests/lock.json; --release or --date makes a new one.
 
+    One action per run (a plain run writes; --check, --dry-run, --list-hunks, --summary); a flag the
+    action does not use exits 2 naming both (--summary takes only --out; --list-hunks takes --upstream,
+    --recipe, --megatron-lm, --cache-dir, --offline, --no-wait; --no-trees is for a plain run only).
+
     `tools/backport annotate [HUNK ...]` prints the patch with each line's provenance (upstream, ours,
     carried) in a margin; `tools/backport annotate --help` says more.
     """

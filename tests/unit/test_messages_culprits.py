@@ -148,3 +148,12 @@ def test_the_time_row_includes_writing_the_outputs(args):
     assert result.exit_code == 0, result.output
     row = next(line for line in result.stdout.splitlines() if line.lstrip("│ ").startswith("time"))
     assert ", write " in row, row
+
+
+def test_a_cache_under_a_regular_file_names_that_file(args, tmp_path):
+    (tmp_path / "afile").write_text("", encoding="utf-8")
+    result = CliRunner().invoke(cli, _set(args, "--cache-dir", str(tmp_path / "afile" / "cache")))
+    assert result.exit_code == 1, result.output
+    error, hint = _error(result)
+    assert error.endswith(f": Not a directory: {tmp_path / 'afile'}"), error
+    assert hint.startswith(f"hint: {tmp_path / 'afile'} is a file where a folder is needed"), hint
