@@ -63,7 +63,10 @@ def test_a_run_that_skips_a_check_writes_its_outputs_and_leaves_the_lock_alone(a
     out = tmp_path / "out"
     run(args + ["--date", "2026-01-02"], 0)
     lock = snapshot(out / output.LOCK)
-    result = run(skip(args) + ["--date", "2026-01-03"], 0)  # another date: not even re-dated
+    refused = run(skip(args) + ["--date", "2026-01-03"], 2)  # another date is a new release: refused, as --release is
+    assert "excludes --no-import-check (as --release does)" in first_error(refused.stderr)
+    assert snapshot(out / output.LOCK) == lock
+    result = run(skip(args) + ["--date", "2026-01-02"], 0)
     assert snapshot(out / output.LOCK) == lock
     said = [line for line in result.stderr.splitlines() if line.startswith("lock: ")]
     assert said == [f"lock: {out / output.LOCK} left alone (dated 2026-01-02): this run skipped the import check "
@@ -71,8 +74,7 @@ def test_a_run_that_skips_a_check_writes_its_outputs_and_leaves_the_lock_alone(a
                     "Run without --no-import-check to write or check the lock."]
     assert not [line for line in result.stdout.splitlines() if line.startswith(("lock:", "release:"))]
     latest = json.loads((out / "patches/latest/manifest.json").read_text())
-    assert latest["date"] == "2026-01-03"  # the outputs were written
-    assert output.skipped_checks(latest) == [("imports", "--no-import-check")]
+    assert output.skipped_checks(latest) == [("imports", "--no-import-check")]  # the outputs were written
 
 
 def test_a_run_that_skips_a_check_creates_no_lock(args, tmp_path):
