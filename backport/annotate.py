@@ -19,10 +19,12 @@ from typing import Iterable, Optional
 
 import click
 from unidiff import PatchSet
+from unidiff.errors import UnidiffParseError
 
 from .errors import PipelineError, UsageError
 from .gitpath import patch_path
 from .patchfile import LINE_KINDS, OUTPUT_HUNK_PREFIX
+from .readers import manifest_against_patch, manifest_view
 from .workspace import split_lines
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -48,15 +50,27 @@ def load(patch: Path, manifest: Path) -> tuple[str, dict]:
         raise UsageError(f"annotate: {manifest} is not JSON ({exc})", hint=_REMAKE) from exc
     if not isinstance(m, dict) or "files" not in m or "patch" not in m:
         raise UsageError(f"annotate: {manifest} is not a gdn-backport manifest", hint=_REMAKE)
-    digest = hashlib.sha256(data).hexdigest()
-    if m["patch"].get("sha256") != digest:
-        raise UsageError(f"annotate: the patch {patch} (sha256 {digest[:12]}) is not the one the manifest {manifest} "
-                         f"describes ({str(m['patch'].get('sha256'))[:12]}, {m['patch'].get('name')})",
-                         hint="Pass the manifest written with that patch (--manifest), or " + _REMAKE[0].lower() + _REMAKE[1:])
-    if any("lines" not in h for f in m["files"] for h in f["hunks"]):
+    try:
+        older = any("lines" not in h for f in m["files"] for h in f["hunks"])
+    except (TypeError, KeyError):
+        older = False  # malformed: manifest_view names the field
+    if older:
         raise UsageError(f"annotate: the manifest {manifest} has no per-line provenance (written by an older "
                          "gdn-backport)", hint=_REMAKE)
-    return data.decode("utf-8"), m
+    manifest_view(m, manifest, "annotate", _REMAKE)
+    digest = hashlib.sha256(data).hexdigest()
+    if m["patch"]["sha256"] != digest:
+        raise UsageError(f"annotate: the patch {patch} (sha256 {digest[:12]}) is not the one the manifest {manifest} "
+                         f"describes ({m['patch']['sha256'][:12]}, {m['patch']['name']})",
+                         hint="Pass the manifest written with that patch (--manifest), or " + _REMAKE[0].lower() + _REMAKE[1:])
+    try:
+        text = data.decode("utf-8")
+        patch_set = PatchSet(split_lines(text))
+    except (UnicodeDecodeError, UnidiffParseError) as exc:
+        raise UsageError(f"annotate: the patch {patch} cannot be read as a patch ({exc})", hint=_REMAKE) from exc
+    manifest_against_patch(m, patch_set, lambda pfile, n: f"{OUTPUT_HUNK_PREFIX}{patch_path(pfile)}#{n}", manifest,
+                           patch, "annotate", _REMAKE)
+    return text, m
 
 
 def select(m: dict, selectors: Iterable[str]) -> list[str]:
@@ -79,6 +93,16 @@ def select(m: dict, selectors: Iterable[str]) -> list[str]:
         if not found:
             found = {h["id"] for _p, h in hunks if any(o["origin"] == sel for o in h["origins"])}
         if not found:
+            excluded = next((u for u in m.get("upstream_hunks", []) if u["id"] == sel
+                             and u["disposition"] == "excluded"), None)
+            if excluded is not None:
+                raise UsageError(
+                    f"annotate: {sel} is an upstream hunk the recipe excluded"
+                    + (f" (step {excluded['by']})" if excluded.get("by") else "")
+                    + f": {excluded.get('reason') or 'no reason recorded'}; no line of this patch comes from it",
+                    hint="Pick a hunk the recipe took (verbatim or adapted: `tools/backport --summary` counts them, "
+                         "manifest.md lists each upstream hunk with its disposition), or read the reason in "
+                         "manifest.md's upstream hunks table.")
             files = ", ".join(sorted({p for p, _h in hunks}))
             raise UsageError(
                 f"annotate: {sel!r} names no output hunk, file or origin of this patch (files: {files})",

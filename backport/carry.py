@@ -520,6 +520,13 @@ def apply_carry(carry: Carry, ws: Workspace, base_reader: Callable[[str], Option
     for cf in carry.files:
         if cf.note:
             warn(f"warning: carried patch {name}: {cf.path}: {cf.note}")
+        bridge_path = next((p for p in (cf.old_path, cf.new_path) if p and p.startswith("src/megatron/")), None)
+        if bridge_path is not None and base_reader(bridge_path) is None:
+            raise ApplyError(f"carried patch {name}: {bridge_path} has the path of a Megatron-Bridge checkout "
+                             f"(src/megatron/...); the base tree holds it as {bridge_path[len('src/'):]}.",
+                             hint="Drop `src/` from the carried patch's paths (a/megatron/..., b/megatron/...): make "
+                                  "it in the Bridge checkout with `git diff --relative=src`, or edit the a/ and b/ "
+                                  "lines, then carry it again.")
         base_text = base_reader(cf.old_path) if cf.old_path else None
         if cf.kind in ("modify", "delete", "rename", "copy") and (base_text is None or not get(cf.old_path).exists):
             raise ApplyError(f"carried patch {name}: {cf.old_path} does not exist in the base tree ({cf.kind}).",

@@ -63,7 +63,10 @@ def _summary_table(m: dict, written: list, mode: str, timings: Optional[dict] = 
     _report_rows(table, m)
     t = timings
     if t is not None:
-        table.add_row("time", f"{t['total_s']:.1f} s ({'cold' if cold else 'warm'}: sources {t['sources_s']:.1f}, tree {t['base_tree_s']:.1f}, recipe {t['recipe_s']:.1f}, verify {t['verify_s']:.1f})")
+        write = f", write {t['write_s']:.1f}" if "write_s" in t else ""
+        total = t["total_s"] + t.get("write_s", 0.0)  # the build's total, then writing the outputs
+        table.add_row("time", f"{total:.1f} s ({'cold' if cold else 'warm'}: sources {t['sources_s']:.1f}, tree "
+                              f"{t['base_tree_s']:.1f}, recipe {t['recipe_s']:.1f}, verify {t['verify_s']:.1f}{write})")
     for path in written:
         table.add_row("wrote" if mode == "write" else mode, str(path))
     return table
@@ -158,15 +161,19 @@ def _save_traceback(exc: BaseException, places: list) -> Optional[Path]:
 @click.option("--no-wait", is_flag=True, help="Exit 15 at once when another run holds the output folder or a cache entry, instead of waiting for it.")
 @click.option("--debug", "debug", is_flag=True, help="Print the traceback of an error (otherwise it goes to a log file whose path is printed).")
 @click.option("-v", "--verbose", "verbose", is_flag=True, help="Alias of --debug.")
-@click.version_option(__version__)
+@click.option("--version", "version", is_flag=True, help="Print the version and exit (on its own only).")
 def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, release, out,
         allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks, summary, no_wait, debug,
-        verbose):
+        verbose, version):
     """Backport Megatron-LM chunkwise CP for Gated DeltaNet onto the pinned tree.
 
     Writes patches/megatron/<YYYYMMDD>-<base9>[-carry-<sha8>].patch, patches/latest/megatron.patch and the
     hunk manifest (JSON + Markdown), after verifying the patch against the pristine base.
     A plain run reproduces the date of manifests/lock.json; --release or --date makes a new one.
+
+    One action per run (a plain run writes; --check, --dry-run, --list-hunks, --summary); a flag the
+    action does not use exits 2 naming both (--summary takes only --out; --list-hunks takes --upstream,
+    --recipe, --megatron-lm, --cache-dir, --offline, --no-wait; --no-trees is for a plain run only).
 
     `tools/backport annotate [HUNK ...]` prints the patch with each line's provenance (upstream, ours,
     carried) in a margin; `tools/backport annotate --help` says more.
@@ -179,6 +186,10 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
     step = {"now": "checking the inputs"}
     cache = cache_dir or None
     try:
+        refuse_unused_flags(click.get_current_context())
+        if version:
+            click.echo(f"tools/backport, version {__version__}")
+            return
         out = _out_folder(out)
         from .cache import default_cache_dir
 
@@ -214,6 +225,88 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
             hint += f" The traceback is in {log}." if log else " Re-run with --debug for the traceback."
         click.echo(f"error: {message}\nhint: {hint}", err=True)
         sys.exit(1)
+
+
+#: The action a run does, named by its action flag (none: write the outputs).
+ACTION_FLAGS = {"summary": "summary", "list_hunks": "list-hunks", "check": "check", "dry_run": "dry-run"}
+#: What each action does, for the refusals.
+ACTION_DOES = {"write": "writes the outputs", "dry-run": "writes the outputs to a scratch folder only",
+               "check": "compares a fresh build with the outputs on disk and writes nothing",
+               "list-hunks": "only lists the upstream commit's hunks",
+               "summary": "only prints the last run's table from its manifest"}
+_BUILDS = frozenset({"write", "dry-run", "check"})
+_ALL = frozenset(ACTION_DOES)
+#: Flag (click parameter name) -> the actions it takes effect in. A flag given on the command line
+#: to any other action is refused (exit 2) naming both flags, never silently dropped;
+#: tests/unit/test_cli_flags.py runs every pair of the click definition's flags against it, so a new
+#: flag must be entered here.
+FLAG_ACTIONS = {
+    "upstream": _BUILDS | {"list-hunks"}, "bridge": _BUILDS, "mcore_base": _BUILDS,
+    "recipe": _BUILDS | {"list-hunks"}, "megatron_lm": _BUILDS | {"list-hunks"}, "megatron_bridge": _BUILDS,
+    "cache_dir": _BUILDS | {"list-hunks"}, "offline": _BUILDS | {"list-hunks"}, "no_wait": _BUILDS | {"list-hunks"},
+    "carry": _BUILDS, "date": _BUILDS, "release": frozenset({"write", "dry-run"}),
+    "out": frozenset({"write", "dry-run", "check", "summary"}),  # dry-run: the lock there gives the date
+    "allow_pin_mismatch": _BUILDS, "no_import_check": _BUILDS, "python": _BUILDS,
+    "no_trees": frozenset({"write"}),  # --dry-run never writes trees, --check writes nothing
+    "debug": _ALL, "verbose": _ALL,  # how an error is shown
+    "version": frozenset(),  # on its own only
+    **{name: frozenset({action}) for name, action in ACTION_FLAGS.items()},
+}
+#: Pairs of flags that exclude each other whatever the action: (a, b, message, hint).
+EXCLUDED_PAIRS = (
+    ("python", "no_import_check",
+     "--python and --no-import-check exclude each other: --python names the import check's interpreter, and "
+     "--no-import-check skips that check (the interpreter would be ignored).",
+     "Drop --no-import-check to run the import check with that interpreter, or drop --python."),
+    ("release", "no_import_check",
+     "--release makes a new lock, and a lock states that every check ran: it excludes --no-import-check.",
+     "Drop --no-import-check and pass --python an interpreter with torch, triton 3.6.0 and FLA 0.4.2 (e.g. "
+     "$PWD/.venv/bin/python after `make venv`)."),
+)
+
+
+def _flag(param: click.Parameter) -> str:
+    """The long spelling of a click option (``--verbose`` for ``-v/--verbose``)."""
+    return max(param.opts, key=len)
+
+
+def _uses(name: str) -> str:
+    actions = sorted(FLAG_ACTIONS.get(name, ()), key=list(ACTION_DOES).index)
+    return ", ".join("a plain run" if a == "write" else f"--{a}" for a in actions) or "nothing else"
+
+
+def refuse_unused_flags(ctx: click.Context) -> None:
+    """Refuse, before any work, a flag given on the command line that the run's action would not
+    use (:data:`FLAG_ACTIONS`), two action flags at once, and the pairs of :data:`EXCLUDED_PAIRS`:
+    every flag given either takes effect or the run exits 2 naming the flags that conflict.
+
+    Raises:
+        UsageError: naming both flags and what the action does.
+    """
+    from click.core import ParameterSource
+
+    params = {p.name: p for p in ctx.command.params}
+    given = [name for name in params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE]
+    if "version" in given and len(given) > 1:
+        other = _flag(params[next(n for n in given if n != "version")])
+        raise UsageError(f"--version and {other} exclude each other: --version only prints the version, and "
+                         f"{other} would be ignored.", hint="Run `tools/backport --version` on its own.")
+    actions = sorted((n for n in given if n in ACTION_FLAGS), key=list(ACTION_FLAGS).index)
+    if len(actions) > 1:
+        (a, b), (x, y) = (_flag(params[n]) for n in actions[:2]), (ACTION_FLAGS[n] for n in actions[:2])
+        raise UsageError(f"{a} and {b} exclude each other: {a} {ACTION_DOES[x]}, and {b} {ACTION_DOES[y]}; one run "
+                         "does one of them.", hint="Run them as two commands.")
+    action = ACTION_FLAGS[actions[0]] if actions else "write"
+    named = f"--{action}" if actions else "a plain run"
+    for name in given:
+        if action not in FLAG_ACTIONS.get(name, _ALL):
+            flag = _flag(params[name])
+            raise UsageError(f"{named} and {flag} exclude each other: {named} {ACTION_DOES[action]}, and {flag} "
+                             "would be ignored.",
+                             hint=f"Drop {flag} (it takes effect with {_uses(name)}), or run them as two commands.")
+    for a, b, message, hint in EXCLUDED_PAIRS:
+        if a in given and b in given:
+            raise UsageError(message, hint=hint)
 
 
 def _out_folder(value: str) -> Path:
@@ -270,21 +363,6 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
 
     carry = _carry_read_once(carry)
 
-    if dry_run and check:
-        raise UsageError("--dry-run and --check exclude each other.", hint="Use one of them.")
-    if list_hunks and (check or dry_run or release):
-        flag = "--check" if check else "--dry-run" if dry_run else "--release"
-        raise UsageError(f"--list-hunks and {flag} exclude each other: --list-hunks only lists the upstream hunks "
-                         "and would check or write nothing.", hint="Run them as two commands.")
-    if release and (check or list_hunks):
-        raise UsageError("--release makes new outputs; it excludes --check and --list-hunks.",
-                         hint="Drop --release, or run it on its own.")
-    if release and no_import_check:
-        raise UsageError("--release makes a new lock, and a lock states that every check ran: it excludes "
-                         "--no-import-check.",
-                         hint="Drop --no-import-check and pass --python an interpreter with torch, triton 3.6.0 "
-                              "and FLA 0.4.2 (e.g. $PWD/.venv/bin/python after `make venv`).")
-
     def options(day: Optional[str]) -> "run_options.Options":
         return run_options.Options(
             recipe=recipe, upstream=upstream, megatron_lm=megatron_lm, megatron_bridge=megatron_bridge,
@@ -314,7 +392,9 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
 
         step["now"] = "writing the dry-run outputs"
         scratch = Path(tempfile.mkdtemp(prefix="gdn-backport-dry-"))
+        t0 = time.perf_counter()
         written = output.write(build, scratch, trees=False)
+        build.timings["write_s"] = time.perf_counter() - t0
         Console(width=200).print(_summary(build, written, "dry-run"))
         click.echo(f"dry run: outputs in {scratch}; nothing else written (remove that folder when done)")
         return
@@ -339,8 +419,17 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
             bridge, mcore_base = _lock_pins(out, recipe, allow_pin_mismatch, say)
             from_lock = {what: sha for what, sha in (("Megatron-Bridge", bridge), ("MCore base", mcore_base)) if sha}
         opts = options(day)
-        lock_day = output.lock_date(out) if check else None
+        lock_day = output.lock_date(out) if check else output.lock_date(out, check=False) if no_import_check else None
         shown = f"{opts.date[:4]}-{opts.date[4:6]}-{opts.date[6:]}"
+        if not check and no_import_check and lock_day and shown != lock_day:
+            raise UsageError(f"{source} dates this run {shown}, and {out / output.LOCK} is dated {lock_day}: a new "
+                             "dated release makes a new lock, and a lock states that every check ran, so it excludes "
+                             "--no-import-check (as --release does).",
+                             hint=f"Drop --no-import-check to make the {shown} release, or drop "
+                                  f"{'--date' if source == '--date' else 'SOURCE_DATE_EPOCH'} to write the "
+                                  f"{lock_day} outputs without the import check.")
+        if not check:
+            _warn_pins_left(out, recipe, bridge, mcore_base)
         say(f"{'check: ' if check else ''}date {shown} from {source}")
         if check and lock_day and shown != lock_day:
             click.echo(f"warning: {output.LOCK} is dated {lock_day}; checking with another date ({source}) "
@@ -400,13 +489,45 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
                            f"release, or `git checkout {output.LOCK}` and run without --date/--release to undo.")
 
 
+def _warn_pins_left(out: Path, recipe: Path, bridge: Optional[str], mcore_base: Optional[str]) -> None:
+    """A run without ``--bridge``/``--mcore-base`` into an ``--out`` whose lock pins other commits
+    (written with them) goes back to the recipe's pins: one warning line says so, naming the
+    flag that keeps the lock's pins."""
+    if bridge is not None or mcore_base is not None:
+        return
+    from . import output
+    from .recipe import load_recipe
+
+    pins = (_read_json(out / output.LOCK) or {}).get("pins")
+    if not isinstance(pins, dict):
+        return
+    try:
+        default = load_recipe(recipe)[0].pins
+    except PipelineError:
+        return  # the build names the recipe's problem
+    moved = [(what, str(pins.get(key))) for what, key, want in (
+        ("Megatron-Bridge", "megatron_bridge", default.megatron_bridge), ("MCore base", "mcore_base", default.mcore_base))
+        if isinstance(pins.get(key), str) and pins.get(key) != want]
+    if moved:
+        keep = f"--bridge {str(pins.get('megatron_bridge'))[:12]}" + (
+            f" --mcore-base {str(pins.get('mcore_base'))[:12]} --allow-pin-mismatch"
+            if pins.get("mcore_base") != pins.get("bridge_dev_commit") else "")
+        click.echo(f"warning: {out / output.LOCK} pins {', '.join(f'{w} {sha[:12]}' for w, sha in moved)} (written "
+                   f"with --bridge); this run has no --bridge and goes back to the recipe's pins (Megatron-Bridge "
+                   f"{default.megatron_bridge[:12]}), replacing those outputs. To keep the lock's pins, run with "
+                   f"{keep}.", err=True)
+
+
 def _lock_cause(old: dict, new: dict, carry: Optional[Path]) -> str:
     """Which input made a same-day lock change, as far as the two locks tell: the recipe (its
     sha256), the pins, the carried patch (the patch name carries its digest), else the tool's code."""
     causes = []
-    if carry is not None and (old.get("patch") or {}).get("name") != new["patch"]["name"]:
+    def field(key: str) -> dict:
+        return old.get(key) if isinstance(old.get(key), dict) else {}
+
+    if carry is not None and field("patch").get("name") != new["patch"]["name"]:
         causes.append(f"The carried patch ({carry.name})")
-    if (old.get("recipe") or {}).get("sha256") != new["recipe"]["sha256"]:
+    if field("recipe").get("sha256") != new["recipe"]["sha256"]:
         causes.append("the recipe")
     if old.get("pins") != new["pins"]:
         causes.append("the pins")
@@ -462,10 +583,14 @@ def _lock_pins(out: Path, recipe: Path, allow_pin_mismatch: bool, say) -> tuple[
 def _print_summary(out: Path) -> None:
     """``--summary``: the table of the run that wrote ``<out>/patches/latest/manifest.json``."""
     path = out / "patches" / "latest" / "manifest.json"
+    from .readers import manifest_view
+
     manifest = _read_json(path)
+    hint = "Run `tools/backport --upstream 5139086e` first (or pass --out where it wrote)."
     if manifest is None or "patch" not in manifest:
-        raise UsageError(f"--summary: {path} is missing or not a manifest.",
-                         hint="Run `tools/backport --upstream 5139086e` first (or pass --out where it wrote).")
+        raise UsageError(f"--summary: {path} is missing or not a manifest.", hint=hint)
+    manifest_view(manifest, path, "--summary", "Write it again with `tools/backport` (pass --out where it wrote; "
+                                               "with the same --carry, --bridge or --date as before).")
     Console(width=200).print(_summary_table(manifest, [str(path)], "summary"))
 
 
@@ -474,6 +599,18 @@ def _build(err, opts, say):
 
     with err.status("backport") as status:
         return engine.build(opts, progress=lambda msg: (status.update(msg), say(msg)))
+
+
+def _utf8_file_names() -> None:
+    """Under a non-UTF-8 locale (``LC_ALL=C PYTHONUTF8=0``, ``en_US.ISO-8859-1``) run again in
+    Python's UTF-8 mode (``-X utf8``): the patch, the trees and git speak UTF-8 file names, which
+    an ASCII or Latin-1 file system encoding cannot write (a valid carry adding ``donnée.py`` was
+    refused as a patch that does not apply). Messages to a terminal of that locale stay escaped
+    (:func:`_ascii_safe_streams`)."""
+    encoding = sys.getfilesystemencoding().lower().replace("-", "").replace("_", "")
+    if sys.flags.utf8_mode or encoding == "utf8":  # after the exec utf8_mode is on: never a loop
+        return
+    os.execv(sys.executable, [sys.executable, "-X", "utf8", *sys.orig_argv[1:]])
 
 
 def _ascii_safe_streams() -> None:
@@ -515,6 +652,8 @@ def _raise_terminated(_signum, _frame):
 
 def main(argv: Optional[list] = None) -> None:
     """Entry point of ``tools/backport`` and the ``gdn-backport`` script."""
+    if argv is None:
+        _utf8_file_names()
     _ascii_safe_streams()
     import signal
 

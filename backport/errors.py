@@ -161,6 +161,21 @@ class WriteError(PipelineError):
     default_hint = "Fix the file system problem named above and run the same command again."
 
 
+def blocking_file(path) -> "str | None":
+    """The first folder on the way to ``path`` (``path`` itself included) that exists and is not a
+    folder, e.g. the regular file a cache path runs through; None when there is none."""
+    import os
+
+    parts = os.path.abspath(str(path)).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        sub = os.sep.join(parts[:i]) or os.sep
+        if os.path.lexists(sub) and not os.path.isdir(sub):
+            return sub
+        if not os.path.lexists(sub):
+            return None
+    return None
+
+
 def oserror_hint(exc: OSError, path: "str | None" = None) -> str:
     """What to do about ``exc`` (by errno), naming ``path`` (default: the exception's file)."""
     where = path or exc.filename or "the output folder"
@@ -170,6 +185,10 @@ def oserror_hint(exc: OSError, path: "str | None" = None) -> str:
         return (f"Make {where} writable (or choose another --out / --cache-dir), "
                 "then run the same command again.")
     if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        culprit = blocking_file(where)
+        if culprit is not None:
+            return (f"{culprit} is a file where a folder is needed (on the way to {where}); move it or choose "
+                    "another folder, then run the same command again.")
         return (f"A file stands where a folder is needed in {where}; move it or choose another folder, "
                 "then run the same command again.")
     if exc.errno == errno.ENOENT:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import os
 import sys
 import time
@@ -50,6 +51,10 @@ def _lock_error(exc: OSError, path: Path, what: str) -> WriteError:
     """A lock file that cannot be made (exit 1): one line naming it, a hint by errno."""
     where = exc.filename or str(path.parent)
     hint = oserror_hint(exc, where)
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        from .errors import blocking_file
+
+        where = blocking_file(where) or where  # the file in the way, not the folder below it
     cache = default_cache_dir()
     if path == cache or cache in path.parents:
         hint += f" (The tool's cache {cache} is $GDN_BACKPORT_CACHE or ~/.cache/gdn-backport.)"

@@ -130,6 +130,17 @@ def validate(opts: Options) -> None:
             raise UsageError(f"{flag} {value!r} names no commit (an empty value is not taken as the recipe's pin)",
                              hint=f"Pass {flag} a commit SHA, or drop it to use the recipe's pin; check the "
                                   "variable that gave the empty value.")
+    for flag, value in (("--cache-dir", opts.cache_dir), ("--megatron-lm", opts.megatron_lm),
+                        ("--megatron-bridge", opts.megatron_bridge)):
+        text = "" if value is None else str(value)
+        if flag != "--cache-dir" and "://" in text:
+            continue  # a URL: git reads it as it is
+        if text and (os.path.expandvars(text) != text or os.path.expanduser(text) != text):
+            raise UsageError(f"{flag} {text} holds a literal `$`/`~` that names a variable or a home folder: git "
+                             "(through GitPython) would expand it and use another folder than the one named",
+                             hint=f"Pass {flag} the path with the variable expanded (unquoted in the shell, e.g. "
+                                  f"{os.path.expanduser(os.path.expandvars(text))}), or rename the folder so that "
+                                  "its name holds no `$` or leading `~`.")
     if opts.mcore_base is not None and not opts.allow_pin_mismatch:
         raise UsageError(f"--mcore-base {opts.mcore_base} needs --allow-pin-mismatch: it overrides the base the "
                          "Bridge commit's .dev.commit names.",

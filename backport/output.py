@@ -223,6 +223,16 @@ def refuse_out_in_cache(out: Path, cache: Path) -> None:
         UsageError: naming ``out`` and the cache.
     """
     target, cache_r = out.resolve(), cache.resolve()
+    for tree in OUTPUT_TREES:
+        folder = target / tree
+        if cache_r == folder or folder in cache_r.parents:
+            raise UsageError(
+                f"--cache-dir {cache} lies inside {folder}, a folder of the output folder {out} that every run "
+                "replaces or deletes (a plain run replaces build/tree/base and build/tree/patched whole): the cache "
+                "would be deleted by the run that uses it",
+                hint="Pass --cache-dir a folder outside --out's patches/, build/tree/ and build/.gdn/ (the default "
+                     "~/.cache/gdn-backport, or e.g. --cache-dir " + str(target / "build" / "cache") + "), then run "
+                     "the same command again.")
     if target == cache_r or cache_r in target.parents:
         raise UsageError(
             f"--out {out} lies inside the tool's cache {cache_r}; a run there would write into cache entries "
@@ -588,7 +598,7 @@ def lock_changes(old: "dict | None", new: dict) -> list[str]:
     if old.get("date") != new["date"]:
         changes.append(f"date {old.get('date')} -> {new['date']}")
     if old.get("patch") != new["patch"]:
-        o = old.get("patch") or {}
+        o = old.get("patch") if isinstance(old.get("patch"), dict) else {}
         changes.append(f"patch {o.get('name')} ({str(o.get('sha256'))[:12]}) -> "
                        f"{new['patch']['name']} ({new['patch']['sha256'][:12]})")
     for key in sorted((set(old) | set(new)) - {"date", "patch"}):
@@ -804,16 +814,19 @@ def _json_on_disk(path: Path) -> dict:
 def _mismatch_hint(build, root: Path) -> "str | None":
     """A hint naming the usual causes, a carry or date mismatch, or outputs written by a run that
     skipped a check; None keeps the class's."""
-    if not _exists(root / LOCK):
-        return (f"{LOCK} is missing from {root} (the other outputs are there): restore it (`git checkout {LOCK}`) "
-                "and --check again, or write it with a plain run (`tools/backport`).")
     latest = _json_on_disk(root / "patches/latest/manifest.json")
     skipped_there = skipped_checks(latest)
     if skipped_there:
         flags = " ".join(flag for _name, flag in skipped_there)
-        return (f"patches/latest was written by a run that skipped {describe_skipped(skipped_there)}, which "
-                f"left {LOCK} alone: run `tools/backport` without {flags} (it rewrites them and checks the lock), "
-                "then --check again.")
+        state = "wrote no" if not _exists(root / LOCK) else "left"
+        return (f"patches/latest in {root} was written by a run with {flags} (it skipped "
+                f"{describe_skipped(skipped_there)}), which {state} {LOCK}{' alone' if state == 'left' else ''}: run "
+                f"`tools/backport --out {root}` without {flags} (it rewrites the outputs and writes the lock), then "
+                "--check again.")
+    if not _exists(root / LOCK):
+        restore = (f"restore it (`git checkout {LOCK}`) and --check again, or " if (root / ".git").exists() else "")
+        return (f"{LOCK} is missing from {root} (the other outputs are there): {restore}write it with a plain run "
+                f"(`tools/backport --out {root}`), then --check again.")
     disk_carry = latest.get("carry") if isinstance(latest.get("carry"), dict) else None
     run_carry = build.manifest.get("carry")
     if disk_carry and (not isinstance(run_carry, dict) or run_carry.get("sha256") != disk_carry.get("sha256")):

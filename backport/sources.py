@@ -90,8 +90,16 @@ class Source:
 
     def candidates(self, rev: str) -> list[str]:
         """Full SHAs of the commits that ``rev`` (a hex prefix of 4-40 digits) names."""
+        if re.fullmatch(r"[0-9a-fA-F]{1,3}", rev):
+            raise PinError(f"{self.name}: {rev!r} is too short for a commit SHA: a short SHA needs at least 4 hex "
+                           f"digits ({len(rev)} given).",
+                           hint="Give at least 4 hex digits (7-12 are usual; the full 40 are never ambiguous).")
+        if re.fullmatch(r"[0-9a-fA-F]{41,}", rev):
+            raise PinError(f"{self.name}: {rev!r} is too long for a commit SHA: {len(rev)} hex digits, at most 40.",
+                           hint="Give the 40-digit SHA (or a unique prefix of it).")
         if not re.fullmatch(r"[0-9a-fA-F]{4,40}", rev):
-            raise PinError(f"{self.name}: {rev!r} is not a commit SHA.", hint="Pins are hex SHAs (full 40 digits preferred).")
+            raise PinError(f"{self.name}: {rev!r} is not a commit SHA (not hex).",
+                           hint="Pins are hex SHAs (full 40 digits preferred).")
         rev = rev.lower()
         if len(rev) == 40:
             return [rev] if self._is_commit(rev) else []

@@ -38,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 #: the CLI's "time" row: total and per-step seconds (backport.engine.build timings)
-TIME_ROW = re.compile(r"time\W+([\d.]+) s \((\w+): sources ([\d.]+), tree ([\d.]+), recipe ([\d.]+), verify ([\d.]+)\)")
+TIME_ROW = re.compile(r"time\W+([\d.]+) s \((\w+): sources ([\d.]+), tree ([\d.]+), recipe ([\d.]+), verify ([\d.]+)(?:, write [\d.]+)?\)")
 EVERY = 60  # one inserted comment per this many lines
 CONTEXT = 5  # git diff -U5
 MIN_LINES = 300  # files shorter than this are left out (about 10 hunks a file, as in issue 36)

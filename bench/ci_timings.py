@@ -63,10 +63,20 @@ def _gate_cases(reports: Path) -> dict:
     path = reports / "gate-report-cases.json"
     try:
         cases = json.loads(path.read_text(encoding="utf-8")).get("cases", {}) if path.is_file() else {}
-        return {k: v for k, v in cases.items() if isinstance(v, dict)} if isinstance(cases, dict) else {}
     except (OSError, ValueError, AttributeError) as exc:
         print(f"warning: {path} is unreadable ({exc}); the gate's tests are left out of the figures", file=sys.stderr)
         return {}
+    if not isinstance(cases, dict):
+        print(f"warning: {path}: 'cases' is not a mapping of test id to outcome; the gate's tests are left out of "
+              "the figures (run the gate again: `make gate`)", file=sys.stderr)
+        return {}
+    # A case the figures can use: an outcome (text) and its seconds (a number).
+    good = {k: v for k, v in cases.items() if isinstance(v, dict) and isinstance(v.get("outcome"), str)
+            and isinstance(v.get("seconds", 0.0), (int, float)) and not isinstance(v.get("seconds"), bool)}
+    if len(good) != len(cases):
+        print(f"warning: {path}: left out {len(cases) - len(good)} cases without a text outcome and numeric seconds "
+              f"(e.g. {next(k for k in cases if k not in good)!r}); run the gate again (`make gate`)", file=sys.stderr)
+    return good
 
 
 def suite_records(reports: Path) -> dict:

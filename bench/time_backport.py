@@ -8,7 +8,7 @@ import json, os, platform, re, shutil, statistics, subprocess, sys, tempfile, ti
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the CLI's "time" row: total and per-step seconds (backport.engine.build timings)
 TIME_ROW = re.compile(r"time\W+([\d.]+) s \((\w+): sources ([\d.]+), tree ([\d.]+), "
-                      r"recipe ([\d.]+), verify ([\d.]+)\)")
+                      r"recipe ([\d.]+), verify ([\d.]+)(?:, write [\d.]+)?\)")
 MLM = "/work/.mirror/NVIDIA+Megatron-LM/repo"
 BRIDGE = "/work/.mirror/NVIDIA-NeMo+Megatron-Bridge/repo"
 

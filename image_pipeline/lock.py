@@ -546,6 +546,30 @@ def requested_requirements(requirements_in: Path) -> list[str]:
     return out
 
 
+def refuse_not_a_lock(lock_path: Path) -> dict[str, LockEntry]:
+    """The pins of ``lock_path`` when it is a hash-pinned requirements lock (every pin
+    ``name==version`` with at least one ``--hash=sha256:``); checked before pip runs, so that a
+    wrong file is named as such and never blamed on PyPI.
+
+    Raises:
+        InputError: the file cannot be read as text, holds no pin, or a pin has no hash (exit 13).
+    """
+    hint = ("Pass --lock a requirements lock (docker/requirements-<flavour>[-fla052].lock, written by "
+            "`tools/image lock`), or leave --lock out to check the flavour's own.")
+    try:
+        entries = parse_lock(lock_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{lock_path} is not a requirements lock: it cannot be read as text ({exc})", hint=hint) from exc
+    if not entries:
+        raise InputError(f"{lock_path} is not a requirements lock: it holds no `name==version --hash=sha256:...` pin",
+                         hint=hint)
+    bare = sorted(name for name, e in entries.items() if not e.hashes)
+    if bare:
+        raise InputError(f"{lock_path} is not a requirements lock: {len(bare)} pins have no --hash "
+                         f"({', '.join(bare[:3])}{' ...' if len(bare) > 3 else ''})", hint=hint)
+    return entries
+
+
 def _dry_run(lock_path: Path, target: Target, python: str) -> dict:
     """pip's report of a ``--no-deps --require-hashes`` dry run of ``lock_path`` for ``target``."""
     with tempfile.TemporaryDirectory(prefix="gdn-lock-check-") as tmp:
@@ -594,6 +618,7 @@ def check_lock(lock_path: Path, target: Target, requirements_in: Optional[Path] 
     Returns ``{"flavour", "fla", "triton", "packages", "python", "platforms", "unmet"}``; raises
     :class:`ImageError` when pip refuses the lock, a requirement is unmet or the FLA set differs.
     """
+    refuse_not_a_lock(lock_path)
     return _verify(_dry_run(lock_path, target, python or sys.executable), lock_path, target, requirements_in)
 
 
@@ -613,6 +638,8 @@ def check_locks(checks: list[tuple[Path, Target]], requirements_in: Optional[Pat
     Returns one result per lock (with ``"shared"``: pins taken from the first report).
     """
     python = python or sys.executable
+    for path, _target in checks:
+        refuse_not_a_lock(path)
     (first_path, first), rest = checks[0], checks[1:]
     for _path, target in rest:
         if (target.python, target.platforms) != (first.python, first.platforms):

@@ -63,7 +63,10 @@ def test_a_run_that_skips_a_check_writes_its_outputs_and_leaves_the_lock_alone(a
     out = tmp_path / "out"
     run(args + ["--date", "2026-01-02"], 0)
     lock = snapshot(out / output.LOCK)
-    result = run(skip(args) + ["--date", "2026-01-03"], 0)  # another date: not even re-dated
+    refused = run(skip(args) + ["--date", "2026-01-03"], 2)  # another date is a new release: refused, as --release is
+    assert "excludes --no-import-check (as --release does)" in first_error(refused.stderr)
+    assert snapshot(out / output.LOCK) == lock
+    result = run(skip(args) + ["--date", "2026-01-02"], 0)
     assert snapshot(out / output.LOCK) == lock
     said = [line for line in result.stderr.splitlines() if line.startswith("lock: ")]
     assert said == [f"lock: {out / output.LOCK} left alone (dated 2026-01-02): this run skipped the import check "
@@ -71,8 +74,7 @@ def test_a_run_that_skips_a_check_writes_its_outputs_and_leaves_the_lock_alone(a
                     "Run without --no-import-check to write or check the lock."]
     assert not [line for line in result.stdout.splitlines() if line.startswith(("lock:", "release:"))]
     latest = json.loads((out / "patches/latest/manifest.json").read_text())
-    assert latest["date"] == "2026-01-03"  # the outputs were written
-    assert output.skipped_checks(latest) == [("imports", "--no-import-check")]
+    assert output.skipped_checks(latest) == [("imports", "--no-import-check")]  # the outputs were written
 
 
 def test_a_run_that_skips_a_check_creates_no_lock(args, tmp_path):
@@ -134,9 +136,9 @@ def test_full_check_of_outputs_a_skipping_run_wrote_names_the_flag(args, tmp_pat
     lines = result.stderr.splitlines()
     assert "patches/latest/manifest.json (differs)" in first_error(result.stderr)
     hint = lines[lines.index(first_error(result.stderr)) + 1]
-    assert hint.startswith("hint: patches/latest was written by a run that skipped the import check "
-                           "(--no-import-check), which left manifests/lock.json alone: run `tools/backport` without "
-                           "--no-import-check")
+    assert hint.startswith(f"hint: patches/latest in {tmp_path / 'out'} was written by a run with --no-import-check "
+                           "(it skipped the import check (--no-import-check)), which left manifests/lock.json alone: "
+                           f"run `tools/backport --out {tmp_path / 'out'}` without --no-import-check")
     run(args, 0)  # the hint's own route
     run(args + ["--check"], 0)
 
@@ -375,7 +377,11 @@ def test_check_without_the_lock_names_the_lock(args, tmp_path):
     assert "manifests/lock.json (missing)" in error
     hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
     assert hint.startswith(f"hint: manifests/lock.json is missing from {tmp_path / 'out'} (the other outputs are "
-                           "there): restore it (`git checkout manifests/lock.json`)")
+                           f"there): write it with a plain run (`tools/backport --out {tmp_path / 'out'}`)")
+    assert "git checkout" not in hint  # --out is no git work tree
+    (tmp_path / "out" / ".git").mkdir()
+    hint = run(args + ["--check"], 8).stderr.splitlines()[-1]
+    assert "restore it (`git checkout manifests/lock.json`)" in hint
 
 
 def test_check_of_a_lock_pinning_an_unknown_bridge_names_the_lock(args, tmp_path, fake_repos):
@@ -393,8 +399,8 @@ def test_a_lock_that_is_a_folder_is_named_not_a_killed_run(args, tmp_path):
     """Hostile trial: it read "recovering <out> from a killed run failed: Is a directory" (exit 1)."""
     out = tmp_path / "out"
     (out / output.LOCK).mkdir(parents=True)
-    for extra, code in (([], 2), (["--check"], 8)):
-        result = run(args + ["--no-trees"] + extra, code)
+    for extra, code in ((["--no-trees"], 2), (["--check"], 8)):
+        result = run(args + extra, code)
         assert first_error(result.stderr) == f"error: {out / output.LOCK} is a folder, not the lock file"
         assert "killed run" not in result.stderr
 

@@ -140,7 +140,9 @@ def test_unknown_sha_is_pin_error(mlm, rev):
 
 @pytest.mark.parametrize("rev", ["abc", "main", "HEAD~1", "g123456", "0" * 41, ""])
 def test_non_hex_rev_is_pin_error(mlm, rev):
-    with pytest.raises(PinError, match="is not a commit SHA") as exc:
+    said = {"abc": "is too short for a commit SHA: a short SHA needs at least 4 hex digits",
+            "0" * 41: "is too long for a commit SHA"}.get(rev, "is not a commit SHA")
+    with pytest.raises(PinError, match=said) as exc:
         mlm.candidates(rev)
     assert exc.value.exit_code == 4
 
