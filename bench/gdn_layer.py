@@ -336,7 +336,7 @@ def summarize(times, mem, tokens, host_syncs=None):
 PROFILED_GLOBALS = ("zigzag_to_contiguous_chunks", "contiguous_to_zigzag_chunks", "build_cp_context",
                     "causal_conv1d", "l2norm", "_split_query_key_value", "_expand_query_key_heads",
                     "tensor_a2a_cp2hp", "tensor_a2a_hp2cp")
-PROFILED_CP_HELPERS = ("plan_linear_cp", "packed_cu_seqlens", "check_sequence_lengths",
+PROFILED_CP_HELPERS = ("plan_linear_cp", "packed_seq_metadata", "check_sequence_lengths",
                        "check_kernel_extent", "gather_zigzag_sequence", "scatter_zigzag_sequence")
 PROFILED_METHODS = ("_prepare_qkv_for_gated_delta_rule", "_compute_g_and_beta", "_apply_gated_norm",
                     "gated_delta_rule")

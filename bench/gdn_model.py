@@ -33,8 +33,12 @@ attributed to the first stack frame in ``megatron/`` or ``fla/`` (innermost firs
 or ``unattributed`` otherwise) and to forward or backward; cross-checked by counting the
 profiler's synchronising CUDA runtime calls (``cudaStreamSynchronize`` and friends) in another
 micro-batch. On the patched THD path they are counted twice: as the layers see a fresh
-``PackedSeqParams`` (the first GDN layer makes the host copy) and after the pipeline attached
-the copy (``gdn_context_parallel.attach_cu_seqlens_cpu``; its own sync reported apart).
+``PackedSeqParams`` (the first GDN layer builds the micro-batch's metadata: one host copy) and
+after the data path finalized it (``megatron.core.context_parallel_layout.
+finalize_packed_seq_params(psp)``, upstream dev's call; its own syncs reported apart, and the
+metadata builds the layers still made, which must be 0). Trees of issues 24-42 have
+``gdn_context_parallel.attach_cu_seqlens_cpu`` instead: it is measured in the same place
+(``finalized_by`` names the call).
 
 Writes ``<out>/gdn_model.json`` (every run, plus ``meta``) and ``<out>/parts/*.json`` (one per
 worker launch); prints one line per run. ``--cpu-smoke`` runs a tiny geometry on CPU with gloo
@@ -567,11 +571,18 @@ def _measure(torch, dist, args, stack, L, layout, recompute, ckpt, T, local, dev
     psp = fresh()
     out["host_syncs"] = summarize_syncs(count_syncs(torch, lambda: micro_batch(psp), phase))
     gcp = sys.modules.get("megatron.core.ssm.gdn_context_parallel")
-    if layout == "thd" and hasattr(gcp, "attach_cu_seqlens_cpu"):  # trees before issue 24 lack it
+    # issue 43's finalize_packed_seq_params, else the attach of issues 24-42 (older trees: neither)
+    by = next((n for n in ("finalize_packed_seq_params", "attach_cu_seqlens_cpu") if hasattr(gcp, n)), None)
+    if layout == "thd" and by is not None:
         psp = fresh()
-        attach = count_syncs(torch, lambda: gcp.attach_cu_seqlens_cpu(psp), phase)
-        out["attach_syncs"] = len(attach)
-        out["host_syncs_attached"] = summarize_syncs(count_syncs(torch, lambda: micro_batch(psp), phase))
+        finalize = count_syncs(torch, lambda: getattr(gcp, by)(psp), phase)
+        out["finalized_by"] = by
+        out["finalize_syncs"] = len(finalize)
+        counts = getattr(gcp, "PACKED_METADATA_COUNTS", None)
+        built = counts["layer_built"] if counts is not None else None
+        out["host_syncs_finalized"] = summarize_syncs(count_syncs(torch, lambda: micro_batch(psp), phase))
+        if counts is not None:  # the layers must only read a finalized micro-batch's metadata
+            out["layer_builds_finalized"] = counts["layer_built"] - built
         # "before": the patched tree as it was before issue 24 made one host copy per GDN layer;
         # a PackedSeqParams of its own per layer gives every layer that copy again (emulated)
         out["host_syncs_before"] = summarize_syncs(count_syncs(torch, lambda: micro_batch(None, True), phase))
@@ -587,13 +598,13 @@ def lb_timer(torch, cpu):
 
 def _line(r):
     s = r.get("host_syncs") or {}
-    a = r.get("host_syncs_attached")
+    a = r.get("host_syncs_finalized") or r.get("host_syncs_attached")  # the latter: results before issue 43
     b = r.get("host_syncs_before")
     return (f"{r['mode']:12s} cp={r['cp']} L={r['layers']} {r['layout']} recompute={r['recompute']:3s} "
             f"{r['tokens_per_s']:>12.1f} tok/s{'' if r['timings_valid'] else ' (timing n/a)'} "
             f"peak {r.get('peak_alloc_mib', 0):.0f} MiB syncs {s.get('total')} "
             f"(fwd {s.get('forward')}, bwd {s.get('backward')})"
-            + (f" attached {a['total']} + attach {r['attach_syncs']}" if a else "")
+            + (f" finalized {a['total']} + finalize {r.get('finalize_syncs', r.get('attach_syncs'))}" if a else "")
             + (f" before {b['total']}" if b else "")
             + (f" {s.get('sites')}" if s.get("sites") else ""))
 

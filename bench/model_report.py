@@ -7,7 +7,7 @@
 Reads ``gdn_model.json`` files and, for runs a worker finished after its last save (the device
 tool's time limit cut the merge short), the one-line-per-run logs (``*.lines``, the lines
 ``bench/gdn_model.py`` prints). Writes ``summary.md`` (host syncs per micro-batch against L for
-every mode, CP size, layout and recompute setting, fresh ``PackedSeqParams`` and attached; CP=1
+every mode, CP size, layout and recompute setting, fresh ``PackedSeqParams`` and finalized; CP=1
 tokens/s and peak memory, patched against the old image) and ``model.png`` (tokens/s and syncs
 against L). Later inputs replace earlier runs of the same configuration.
 """
@@ -24,7 +24,8 @@ from pathlib import Path
 LINE = re.compile(
     r"^(?P<mode>\w+)\s+cp=(?P<cp>\d+) L=(?P<layers>\d+) (?P<layout>\w+) recompute=(?P<recompute>\w+)\s+"
     r"(?P<tps>[\d.]+) tok/s(?P<na> \(timing n/a\))? peak (?P<peak>\d+) MiB syncs (?P<total>\d+) "
-    r"\(fwd (?P<fwd>\d+), bwd (?P<bwd>\d+)\)(?: attached (?P<att>\d+) \+ attach (?P<attach>\d+))?"
+    r"\(fwd (?P<fwd>\d+), bwd (?P<bwd>\d+)\)"
+    r"(?: (?:attached|finalized) (?P<att>\d+) \+ (?:attach|finalize) (?P<attach>\d+))?"
     r"(?: before (?P<before>\d+))?(?: (?P<sites>\{.*\}))?$")
 
 
@@ -46,8 +47,8 @@ def from_line(line: str) -> dict | None:
                           "sites": ast.literal_eval(g["sites"]) if g["sites"] else {}},
            "source": "log line"}
     if g["att"] is not None:
-        rec["host_syncs_attached"] = {"total": int(g["att"])}
-        rec["attach_syncs"] = int(g["attach"])
+        rec["host_syncs_finalized"] = {"total": int(g["att"])}
+        rec["finalize_syncs"] = int(g["attach"])
     if g["before"] is not None:
         rec["host_syncs_before"] = {"total": int(g["before"])}
     return rec
@@ -114,20 +115,22 @@ def tables(runs: list) -> str:
            "over gloo: their sync counts are valid, their timings are not.",
            "", "## Host syncs per micro-batch", "",
            "`fresh`: the layers get a new `PackedSeqParams` (the first GDN layer makes the host copy); "
-           "`attached`: the data pipeline attached it first (`attach_cu_seqlens_cpu`, its own sync in "
-           "`attach`); `before`: every GDN layer gets a `PackedSeqParams` of its own, as the patched tree "
+           "`finalized`: the data path finalized it first (`finalize_packed_seq_params`; results before "
+           "issue 43: `attach_cu_seqlens_cpu`), its own syncs in `finalize`; `before`: every GDN layer gets a `PackedSeqParams` of its own, as the patched tree "
            "made one host copy per layer before issue 24 (emulated on this tree). Counts are total "
            "(forward/backward).", ""]
-    out += ["| tree | mode | CP | layout | recompute | L | round | tokens | fresh | attached | attach | before | sites |",
+    out += ["| tree | mode | CP | layout | recompute | L | round | tokens | fresh | finalized | finalize | before | sites |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         if r.get("host_syncs") is None or r["mode"] == "ideal":
             continue
-        att, bef = r.get("host_syncs_attached"), r.get("host_syncs_before")
+        att = r.get("host_syncs_finalized") or r.get("host_syncs_attached")  # the latter: before issue 43
+        bef = r.get("host_syncs_before")
         sites = ", ".join(f"`{k}` {v}" for k, v in sorted((r.get("host_syncs") or {}).get("sites", {}).items()))
         out.append(f"| {r['tree']} | {r['mode']} | {r['cp']} | {r['layout']} | {r['recompute']} | {r['layers']} | "
                    f"{r.get('round', 1)} | {r.get('tokens', '-')} | {_syncs(r)} | {att['total'] if att else '-'} | "
-                   f"{r.get('attach_syncs', '-')} | {bef['total'] if bef else '-'} | {sites} |")
+                   f"{r.get('finalize_syncs', r.get('attach_syncs', '-'))} | {bef['total'] if bef else '-'} | "
+                   f"{sites} |")
     out += ["", "## CP=1 tokens/s and peak memory, patched (chunkwise) against the old image", "",
             "Each round is one process per tree, the rounds alternating which tree runs first; tokens/s "
             "from the median of the round's timed micro-batches.", "",

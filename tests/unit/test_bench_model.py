@@ -178,10 +178,27 @@ def test_report_reads_a_result_line_with_the_before_count(report, bench):
     rec = {"mode": "chunkwise", "cp": 2, "layers": 8, "layout": "thd", "recompute": "on", "tokens_per_s": 5.0,
            "timings_valid": False, "peak_alloc_mib": 7.0,
            "host_syncs": {"total": 1, "forward": 1, "backward": 0, "sites": {"megatron/x.py:3": 1}},
-           "host_syncs_attached": {"total": 0}, "attach_syncs": 1, "host_syncs_before": {"total": 8}}
+           "host_syncs_finalized": {"total": 0}, "finalize_syncs": 1, "host_syncs_before": {"total": 8}}
     got = report.from_line(bench._line(rec))
-    assert got["host_syncs_before"] == {"total": 8} and got["host_syncs_attached"] == {"total": 0}
+    assert got["host_syncs_before"] == {"total": 8} and got["host_syncs_finalized"] == {"total": 0}
+    assert got["finalize_syncs"] == 1
     assert got["host_syncs"]["sites"] == {"megatron/x.py:3": 1} and got["timings_valid"] is False
+
+
+def test_report_reads_the_attached_counts_of_results_before_issue_43(report, bench):
+    # results/bench/model holds runs of trees with attach_cu_seqlens_cpu (issues 24-42)
+    rec = {"mode": "chunkwise", "cp": 2, "layers": 8, "layout": "thd", "recompute": "on", "tokens_per_s": 5.0,
+           "timings_valid": False, "peak_alloc_mib": 7.0,
+           "host_syncs": {"total": 1, "forward": 1, "backward": 0, "sites": {}},
+           "host_syncs_attached": {"total": 0}, "attach_syncs": 1}
+    line = bench._line(rec)
+    assert " finalized 0 + finalize 1" in line
+    old_line = line.replace(" finalized 0 + finalize 1", " attached 0 + attach 1")
+    for text in (line, old_line):
+        got = report.from_line(text)
+        assert got["host_syncs_finalized"] == {"total": 0} and got["finalize_syncs"] == 1
+    table = report.tables([dict(rec, tree="patched", round=1, tokens=8)])
+    assert "| patched | chunkwise | 2 | thd | on | 8 | 1 | 8 | 1 (1/0) | 0 | 1 | - |" in table
 
 
 # ---- hostile-user checks (h-hostile) ---------------------------------------------------

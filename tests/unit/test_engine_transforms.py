@@ -25,7 +25,8 @@ def test_registry_lists_the_gdn_transforms():
         "gdn_config_linear_cp_mode", "gdn_imports", "gdn_init_check_linear_cp", "gdn_init_check_fla_version",
         "gdn_linear_cp_forward",
         "gdn_prepare_qkv_headwise_cp_size", "gdn_prepare_qkv_fused_copies", "gdn_local_cp_none_group",
-        "packed_seq_params_cu_seqlens_cpu_cache", "te_attention_skip_cu_seqlens_cpu_cache", *FIXES])
+        "packed_seq_params_metadata_fields", "te_attention_skip_packed_metadata",
+        "context_parallel_layout_finalize_export", *FIXES])
 
 
 def test_every_preserved_fix_of_the_recipe_has_a_recogniser_of_its_forms():
@@ -310,8 +311,9 @@ def test_fused_copies_replace_a_body_whose_template_statement_the_carry_changed(
 
 def test_transforms_are_deterministic():
     special = {"gdn_prepare_qkv_fused_copies": _with_cp_size(),
-               "packed_seq_params_cu_seqlens_cpu_cache": PACKED_SEQ_PARAMS,
-               "te_attention_skip_cu_seqlens_cpu_cache": TE_ATTENTION,
+               "packed_seq_params_metadata_fields": PACKED_SEQ_PARAMS,
+               "te_attention_skip_packed_metadata": TE_ATTENTION,
+               "context_parallel_layout_finalize_export": CONTEXT_PARALLEL_LAYOUT,
                "gdn_init_check_fla_version": GDN.replace(
                    "        self.config = config\n",
                    "        if not HAVE_FLA:\n            raise ImportError('no FLA')\n        self.config = config\n")}
@@ -365,33 +367,110 @@ TE_ATTENTION = """class TEDotProductAttention(te.pytorch.DotProductAttention):
 """
 
 
-def test_packed_seq_params_gets_the_cache_field_after_seq_idx_once():
-    result = REGISTRY["packed_seq_params_cu_seqlens_cpu_cache"](PACKED_SEQ_PARAMS, "packed_seq_params.py")
+METADATA_FIELDS = ["cp_partition_route", "gdn_packed_metadata"]
+
+
+def test_packed_seq_params_gets_the_metadata_fields_after_seq_idx_once():
+    result = REGISTRY["packed_seq_params_metadata_fields"](PACKED_SEQ_PARAMS, "packed_seq_params.py")
     cls = ast.parse(result.text).body[1]
     fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
-    assert result.status == "applied" and fields == ["qkv_format", "total_tokens", "seq_idx", "cu_seqlens_cpu_cache"]
-    assert ast.literal_eval(cls.body[3].value) is None
-    again = REGISTRY["packed_seq_params_cu_seqlens_cpu_cache"](result.text, "packed_seq_params.py")
+    assert result.status == "applied"
+    assert fields == ["qkv_format", "total_tokens", "seq_idx", *METADATA_FIELDS]
+    assert all(ast.literal_eval(n.value) is None for n in cls.body[3:5])
+    again = REGISTRY["packed_seq_params_metadata_fields"](result.text, "packed_seq_params.py")
     assert again.status == "already-present" and again.text == result.text
 
 
-def test_packed_seq_params_field_in_another_form_is_refused():
+@pytest.mark.parametrize("name", METADATA_FIELDS)
+def test_packed_seq_params_field_in_another_form_is_refused(name):
     from backport.errors import BindingExists
 
-    text = PACKED_SEQ_PARAMS.replace("seq_idx: Tensor = None\n", "seq_idx: Tensor = None\n    cu_seqlens_cpu_cache: dict = None\n")
-    with pytest.raises(BindingExists, match="cu_seqlens_cpu_cache"):
-        REGISTRY["packed_seq_params_cu_seqlens_cpu_cache"](text, "packed_seq_params.py")
+    text = PACKED_SEQ_PARAMS.replace("seq_idx: Tensor = None\n", f"seq_idx: Tensor = None\n    {name}: dict = None\n")
+    with pytest.raises(BindingExists, match=name):
+        REGISTRY["packed_seq_params_metadata_fields"](text, "packed_seq_params.py")
+
+
+@pytest.mark.parametrize("name", METADATA_FIELDS)
+def test_packed_seq_params_with_only_one_of_the_fields_is_refused(name):
+    # the recipe's own form of one field but not the other: a carry that half-adds them
+    text = PACKED_SEQ_PARAMS.replace("seq_idx: Tensor = None\n", f"seq_idx: Tensor = None\n    {name}: object = None\n")
+    with pytest.raises(ApplyError, match="only some of cp_partition_route, gdn_packed_metadata"):
+        REGISTRY["packed_seq_params_metadata_fields"](text, "packed_seq_params.py")
+
+
+def test_packed_seq_params_without_the_seq_idx_anchor_is_apply_error():
     with pytest.raises(ApplyError, match="PackedSeqParams.seq_idx"):
-        REGISTRY["packed_seq_params_cu_seqlens_cpu_cache"](PACKED_SEQ_PARAMS.replace("seq_idx", "idx"), "p.py")
+        REGISTRY["packed_seq_params_metadata_fields"](PACKED_SEQ_PARAMS.replace("seq_idx", "idx"), "p.py")
 
 
-def test_te_attention_discards_the_cache_field_after_seq_idx_once():
-    result = REGISTRY["te_attention_skip_cu_seqlens_cpu_cache"](TE_ATTENTION, "transformer_engine.py")
+def test_te_attention_discards_the_metadata_fields_after_seq_idx_once():
+    result = REGISTRY["te_attention_skip_packed_metadata"](TE_ATTENTION, "transformer_engine.py")
     assert result.status == "applied"
     lines = [ln.strip() for ln in result.text.splitlines() if "discard" in ln]
-    assert lines[-2:] == ['self.kept_packed_seq_params.discard("seq_idx")',
-                          'self.kept_packed_seq_params.discard("cu_seqlens_cpu_cache")']
-    again = REGISTRY["te_attention_skip_cu_seqlens_cpu_cache"](result.text, "transformer_engine.py")
+    assert lines[-3:] == ['self.kept_packed_seq_params.discard("seq_idx")',
+                          'self.kept_packed_seq_params.discard("cp_partition_route")',
+                          'self.kept_packed_seq_params.discard("gdn_packed_metadata")']
+    again = REGISTRY["te_attention_skip_packed_metadata"](result.text, "transformer_engine.py")
     assert again.status == "already-present" and again.text == result.text
     with pytest.raises(ApplyError, match="discard"):
-        REGISTRY["te_attention_skip_cu_seqlens_cpu_cache"](TE_ATTENTION.replace('"seq_idx"', '"x"'), "te.py")
+        REGISTRY["te_attention_skip_packed_metadata"](TE_ATTENTION.replace('"seq_idx"', '"x"'), "te.py")
+
+
+# The shape of upstream 5139086e's megatron/core/context_parallel_layout.py that the export
+# anchors on: module-level defs, zigzag_to_contiguous_chunks among them.
+CONTEXT_PARALLEL_LAYOUT = '''"""Layouts."""
+
+import torch
+
+
+def zigzag_to_contiguous_chunks(x, group, seq_dim=0):
+    return x
+
+
+def contiguous_to_zigzag_chunks(x, group, seq_dim=0):
+    return x
+'''
+
+EXPORT_NAMES = ("finalize_packed_seq_params", "prebuild_thd_cp_partition_routes")
+
+
+def _exported_names(text):
+    """Names imported from megatron.core.ssm.gdn_context_parallel at module level."""
+    return [a.name for st in ast.parse(text).body if isinstance(st, ast.ImportFrom)
+            and st.module == "megatron.core.ssm.gdn_context_parallel" for a in st.names]
+
+
+def test_context_parallel_layout_export_is_appended_once():
+    result = REGISTRY["context_parallel_layout_finalize_export"](CONTEXT_PARALLEL_LAYOUT, "context_parallel_layout.py")
+    assert result.status == "applied"
+    # upstream's bytes stay the exact prefix (backport.verify's verbatim check allows an append)
+    assert result.text.startswith(CONTEXT_PARALLEL_LAYOUT)
+    assert _exported_names(result.text) == list(EXPORT_NAMES)
+    tail = ast.parse(result.text[len(CONTEXT_PARALLEL_LAYOUT):])
+    assert [type(st).__name__ for st in tail.body] == ["ImportFrom"]
+    again = REGISTRY["context_parallel_layout_finalize_export"](result.text, "context_parallel_layout.py")
+    assert again.status == "already-present" and again.text == result.text
+
+
+def test_context_parallel_layout_export_in_another_form_is_binding_exists():
+    from backport.errors import BindingExists
+
+    text = CONTEXT_PARALLEL_LAYOUT + "\nfrom megatron.core.somewhere import finalize_packed_seq_params\n"
+    with pytest.raises(BindingExists, match="already imports") as exc:
+        REGISTRY["context_parallel_layout_finalize_export"](text, "context_parallel_layout.py")
+    assert exc.value.exit_code == 6 and "line 13" in str(exc.value)
+
+
+@pytest.mark.parametrize("name", EXPORT_NAMES)
+def test_context_parallel_layout_that_defines_a_name_is_binding_exists(name):
+    from backport.errors import BindingExists
+
+    text = CONTEXT_PARALLEL_LAYOUT + f"\n\ndef {name}(packed_seq_params):\n    return packed_seq_params\n"
+    with pytest.raises(BindingExists, match=f"already defines {name}"):
+        REGISTRY["context_parallel_layout_finalize_export"](text, "context_parallel_layout.py")
+
+
+def test_context_parallel_layout_without_the_anchor_is_apply_error():
+    text = CONTEXT_PARALLEL_LAYOUT.replace("zigzag_to_contiguous_chunks", "zigzag_to_contiguous")
+    with pytest.raises(ApplyError, match="anchor def zigzag_to_contiguous_chunks not found"):
+        REGISTRY["context_parallel_layout_finalize_export"](text, "context_parallel_layout.py")
