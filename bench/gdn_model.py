@@ -583,6 +583,16 @@ def _measure(torch, dist, args, stack, L, layout, recompute, ckpt, T, local, dev
         out["host_syncs_finalized"] = summarize_syncs(count_syncs(torch, lambda: micro_batch(psp), phase))
         if counts is not None:  # the layers must only read a finalized micro-batch's metadata
             out["layer_builds_finalized"] = counts["layer_built"] - built
+        if by == "finalize_packed_seq_params":
+            # a loader that has the boundaries on the host (Bridge's Qwen3-VL repack, a user loop):
+            # finalize_packed_seq_params(psp, cu_seqlens_cpu=...) makes no copy at all
+            psp = fresh()
+            host = torch.arange(args.samples + 1, dtype=torch.int32) * (T // args.samples)
+            finalize = count_syncs(torch, lambda: gcp.finalize_packed_seq_params(psp, cu_seqlens_cpu=host), phase)
+            out["finalize_host_syncs"] = len(finalize)
+            built = counts["layer_built"]
+            out["host_syncs_finalized_host"] = summarize_syncs(count_syncs(torch, lambda: micro_batch(psp), phase))
+            out["layer_builds_finalized_host"] = counts["layer_built"] - built
         # "before": the patched tree as it was before issue 24 made one host copy per GDN layer;
         # a PackedSeqParams of its own per layer gives every layer that copy again (emulated)
         out["host_syncs_before"] = summarize_syncs(count_syncs(torch, lambda: micro_batch(None, True), phase))
