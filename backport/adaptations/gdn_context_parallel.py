@@ -449,7 +449,7 @@ def _thd_cu_seqlens_sources(packed_seq_params):
 
 def _tensor_stamp(tensor: torch.Tensor) -> tuple:
     # What identifies the values of ``tensor`` without reading them (no device sync): the
-    # object, its in-place version counter, and its view (device, data pointer, shape,
+    # object, its in-place version counter, and its view (device, dtype, data pointer, shape,
     # strides, storage offset). Inference tensors keep no version counter (None: never
     # reused).
     try:
@@ -460,6 +460,7 @@ def _tensor_stamp(tensor: torch.Tensor) -> tuple:
         tensor,
         version,
         tensor.device,
+        tensor.dtype,
         tensor.data_ptr(),
         tuple(tensor.shape),
         tensor.stride(),
