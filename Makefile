@@ -43,9 +43,9 @@ release: venv  ## New dated patch + lock (DATE=YYYY-MM-DD, default today UTC); s
 
 # The cuda images cannot be built here (their NGC base cannot be pulled): prove each cuda lock
 # installs for Python 3.12 manylinux x86_64 (pip resolver dry run, hashes required) and covers
-# Bridge's declared deps: the default FLA 0.4.2 set and the FLA 0.5.2 set, in one command.
+# Bridge's declared deps: the default FLA 0.4.2 set and the FLA 0.5.2 and 0.6.0 sets, in one command.
 .PHONY: check-locks
-check-locks: venv  ## Both cuda locks (FLA 0.4.2 default, FLA 0.5.2) resolve (pip dry run; needs PyPI).
+check-locks: venv  ## Every cuda lock (FLA 0.4.2 default, 0.5.2, 0.6.0) resolves (pip dry run; needs PyPI).
 	@$(call tool,$(PY) tools/image check-lock --flavour cuda --fla all)
 
 check-patch: venv  ## Regenerate with the lock's date and compare with the files on disk (the lock alone in a fresh clone).
@@ -156,7 +156,7 @@ gpu-training:  ## On a GPU host: the training tier's full matrix -> results/raw/
 # gate builds the cpu flavour (local Debian base + CPU torch), which runs anywhere.
 IMAGE_FLAVOUR ?= cuda
 GATE_FLAVOUR ?= cpu
-# FLA set of `make image`: 0.4.2 (default) or 0.5.2 (cuda only; README "Choosing an FLA version").
+# FLA set of `make image`: 0.4.2 (default), 0.5.2 or 0.6.0 (cuda only; README "Choosing an FLA version").
 FLA ?= 0.4.2
 IMAGE_ARGS ?=
 # Where `make gate` writes its report: build/ci/ (ignored by git), so a gate run by hand changes

@@ -616,17 +616,12 @@ def check_lock(lock_path: Path, target: Target, requirements_in: Optional[Path] 
     return _verify(_dry_run(lock_path, target, python or sys.executable), lock_path, target, requirements_in)
 
 
-def shared_pins(lock: dict[str, LockEntry], other: dict[str, LockEntry]) -> set[str]:
-    """Names pinned in both locks at the same version with the same set of file hashes."""
-    return {n for n, e in lock.items() if n in other and other[n].version == e.version and other[n].hashes == e.hashes}
-
-
 def check_locks(checks: list[tuple[Path, Target]], requirements_in: Optional[Path] = None,
                 python: Optional[str] = None) -> list[dict]:
     """:func:`check_lock` for several locks of one Python and platform (the cuda FLA sets), with
-    one full dry run: the first lock's; each other lock dry-runs only its pins that the first
-    lock does not hold identically (same version, same hashes), and its closure check reads the
-    first report for the rest. pip's result for an identical pin on the same target is the same,
+    one full dry run: the first lock's; each other lock dry-runs only its pins that no lock
+    before it holds identically (same version, same hashes: the 0.6.0 lock takes torch's closure
+    from the 0.5.2 lock's run), and its closure check reads the earlier reports for the rest. pip's result for an identical pin on the same target is the same,
     so this proves what separate runs would, downloading the shared files once.
 
     Returns one result per lock (with ``"shared"``: pins taken from the first report).
@@ -639,17 +634,28 @@ def check_locks(checks: list[tuple[Path, Target]], requirements_in: Optional[Pat
                              "Check them one at a time (`tools/image check-lock --flavour F --fla V`).")
     first_data = _dry_run(first_path, first, python)
     results = [_verify(first_data, first_path, first, requirements_in, shared=0)]
-    by_name = {canonical(i["metadata"]["name"]): i for i in first_data.get("install", [])}
-    first_lock = parse_lock(first_path.read_text(encoding="utf-8"))
+    # pins already dry-run (by name, version and hashes) -> pip's report item for them
+    known = {}
+
+    def remember(lock, items):
+        for item in items:
+            entry = lock.get(canonical(item["metadata"]["name"]))
+            if entry is not None:
+                known[(entry.name, entry.version, frozenset(entry.hashes))] = item
+
+    remember(parse_lock(first_path.read_text(encoding="utf-8")), first_data.get("install", []))
     for path, target in rest:
         lock = parse_lock(path.read_text(encoding="utf-8"))
-        shared = shared_pins(lock, first_lock)
+        key = {n: (e.name, e.version, frozenset(e.hashes)) for n, e in lock.items()}
+        shared = {n for n in lock if key[n] in known}
         own = [e for n, e in lock.items() if n not in shared]
-        items = [by_name[n] for n in sorted(shared)]
+        items = [known[key[n]] for n in sorted(shared)]
         if own:
             with tempfile.TemporaryDirectory(prefix="gdn-lock-own-") as tmp:
                 own_path = Path(tmp) / path.name
                 own_path.write_text(render_lock(own, target), encoding="utf-8")
-                items += _dry_run(own_path, target, python).get("install", [])
+                own_items = _dry_run(own_path, target, python).get("install", [])
+            remember(lock, own_items)
+            items += own_items
         results.append(_verify({"install": items}, path, target, requirements_in, shared=len(shared)))
     return results

@@ -367,3 +367,34 @@ def test_capability_versions_of_each_set(monkeypatch, fla, packages):
         found["flash-linear-attention"] = "0.6.0"
         with pytest.raises(AssertionError, match="flash-linear-attention==0.6.0 \\(want none: the set leaves it out\\)"):
             cc.check_versions(fla, "3.7.1")
+
+
+def test_check_locks_third_lock_reuses_the_second_locks_dry_run(tmp_path, monkeypatch):
+    """The 0.6.0 lock shares torch's closure with the 0.5.2 lock, not with the default: it dry-runs
+    only fla-core (the one pin no earlier lock holds alike)."""
+    from image_pipeline import lock as L
+
+    default = [LockEntry("flash-linear-attention", "0.4.2", {"1" * 64}), LockEntry("fla-core", "0.4.2", {"2" * 64}),
+               LockEntry("triton", "3.6.0", {"3" * 64}), LockEntry("einops", "0.8.2", {"4" * 64})]
+    fla052 = [LockEntry("flash-linear-attention", "0.5.2", {"6" * 64}), LockEntry("fla-core", "0.5.2", {"7" * 64}),
+              LockEntry("triton", "3.7.1", {"8" * 64}), LockEntry("einops", "0.8.2", {"4" * 64}),
+              LockEntry("torch", "2.12.1", {"9" * 64})]
+    fla060 = [LockEntry("fla-core", "0.6.0", {"a" * 64}), LockEntry("triton", "3.7.1", {"8" * 64}),
+              LockEntry("einops", "0.8.2", {"4" * 64}), LockEntry("torch", "2.12.1", {"9" * 64})]
+    paths = [tmp_path / f"requirements-{k}.lock" for k in ("cuda", "cuda-fla052", "cuda-fla060")]
+    targets = [TARGETS["cuda"], target_for("cuda", "0.5.2"), target_for("cuda", "0.6.0")]
+    for path, entries, target in zip(paths, (default, fla052, fla060), targets):
+        path.write_text(render_lock(entries, target))
+    runs = []
+
+    def fake_dry_run(path, target, python):
+        entries = parse_lock(path.read_text())
+        runs.append(sorted(entries))
+        return {"install": [_fake_item(e) for e in entries.values()]}
+
+    monkeypatch.setattr(L, "_dry_run", fake_dry_run)
+    results = L.check_locks(list(zip(paths, targets)))
+    assert runs[1] == ["fla-core", "flash-linear-attention", "torch", "triton"]
+    assert runs[2] == ["fla-core"]
+    assert [(r["fla"], r["packages"], r["shared"]) for r in results] == [("0.4.2", 4, 0), ("0.5.2", 5, 1),
+                                                                         ("0.6.0", 4, 3)]
