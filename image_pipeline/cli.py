@@ -303,7 +303,7 @@ def check_lock(flavour, fla, lock_path):
                              hint=f"Make it with `tools/image lock --flavour {flavour} --fla {v}` (needs PyPI) and "
                                   "commit it, or restore it with `git checkout -- docker/`.")
     for (path, _target), result in zip(checks, check_locks(checks, Inputs().docker_dir / "requirements.in")):
-        shared = f"; {result['shared']} pins shared with the first lock's dry run" if result.get("shared") else ""
+        shared = f"; {result['shared']} pins taken from an earlier lock's dry run" if result.get("shared") else ""
         say(f"==> [check-lock] {path.name} (FLA {result['fla']}, triton {result['triton']}): "
             f"{result['packages']} packages install on CPython {result['python']} "
             f"({result['platforms']}) with their hashes; every declared dependency is met{shared}", "bold green")

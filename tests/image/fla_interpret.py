@@ -22,12 +22,18 @@ and Megatron run as shipped. What is shimmed, and why:
     ``i_t.to(tl.int64)`` fails; the shim extends the interpreter's AST rewrite (which already
     wraps every assignment in ``interpreter_semantic.to_tensor``) to rebind each ``for``
     target the same way at the top of the loop body.
+(e) FLA 0.6.0 only: ``fla.ops.cp.context._check_cp_device`` raises for any tensor that is not on
+    an NVIDIA GPU of compute capability >= 8 (or Ascend) before every CP kernel ("CP affine chains
+    require NVIDIA Ampere or newer"), because its CP merge dots run in ``tf32x3``. The shim lets
+    CPU tensors through (the interpreter computes those dots in float32 numpy) and keeps the
+    check for every other device; it replaces the function in each ``fla.ops.cp`` module that
+    imported it by name (``chunk_fwd``, ``chunk_bwd``, ``chunk_delta_h``, ``chunk_merge``).
 (d) gloo's all-gather shape: ``fla_gloo.install()`` (its own module; installed by the
     tier's gloo workers, not here).
 
 Each FLA release the tier runs on has its own entry in :data:`RELEASES`: the triton and numpy it
-was checked with and the shims it needs. FLA 0.5.2 and 0.6.0 (triton 3.7.1) need (b) and (c2)
-only: their ``custom_device_ctx`` already returns a null context for a CPU tensor (device index
+was checked with and the shims it needs. FLA 0.5.2 and 0.6.0 (triton 3.7.1) need (b) and (c2),
+0.6.0 also (e): their ``custom_device_ctx`` already returns a null context for a CPU tensor (device index
 ``None``), and triton 3.7.1's ``__index__`` converts through ``squeeze()`` (the fix of (c1)).
 :func:`install` raises ``RuntimeError`` on a release or version outside that table, naming what
 to re-check, so a version bump fails loudly instead of silently running different code.
@@ -44,7 +50,8 @@ from typing import Tuple
 @dataclass(frozen=True)
 class Release:
     """What one FLA release's tier was checked with: ``triton`` (exact), ``numpy`` (minor), and
-    the shims it needs, of ``device_ctx`` (a), ``bench`` (b), ``index`` (c1), ``for_target`` (c2)."""
+    the shims it needs, of ``device_ctx`` (a), ``bench`` (b), ``index`` (c1), ``for_target`` (c2),
+    ``cp_device`` (e)."""
 
     triton: str
     numpy: str
@@ -55,7 +62,7 @@ class Release:
 RELEASES = {
     "0.4.2": Release("3.6.0", "2.4", ("device_ctx", "bench", "index", "for_target")),
     "0.5.2": Release("3.7.1", "2.4", ("bench", "for_target")),
-    "0.6.0": Release("3.7.1", "2.4", ("bench", "for_target")),
+    "0.6.0": Release("3.7.1", "2.4", ("bench", "for_target", "cp_device")),
 }
 # The default set's pins (kept for callers that name them).
 FLA_VERSION = "0.4.2"
@@ -114,6 +121,26 @@ def _visit_for(self, node):
     return node
 
 
+def _patch_cp_device() -> None:
+    import importlib
+    import sys
+
+    import fla.ops.cp.context as cp_context
+
+    original = cp_context._check_cp_device
+
+    def check_cp_device(device):
+        if device.type == "cpu":
+            return None
+        return original(device)
+
+    for name in ("chunk_fwd", "chunk_bwd", "chunk_delta_h", "chunk_merge"):
+        importlib.import_module(f"fla.ops.cp.{name}")
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("fla.") and getattr(mod, "_check_cp_device", None) is original:
+            mod._check_cp_device = check_cp_device
+
+
 def install() -> dict:
     """Install the shims the installed FLA release needs (:data:`RELEASES`), once per process;
     return the versions found (with ``shims``).
@@ -139,6 +166,10 @@ def install() -> dict:
         "for_target": [("interpreter.ASTTransformer", hasattr(interpreter, "ASTTransformer")),
                        ("interpreter.interpreter_semantic", hasattr(interpreter, "interpreter_semantic"))],
     }
+    if "cp_device" in shims:
+        import fla.ops.cp.context as cp_context
+
+        points["cp_device"] = [("fla.ops.cp.context._check_cp_device", hasattr(cp_context, "_check_cp_device"))]
     missing = [n for shim in sorted(shims) for n, ok in points[shim] if not ok]
     if missing:
         raise RuntimeError(f"tests/image/fla_interpret.py: {', '.join(missing)} not found; the shims "
@@ -157,5 +188,7 @@ def install() -> dict:
         interpreter._patch_lang_tensor = patch_lang_tensor
     if "for_target" in shims:  # (c2)
         interpreter.ASTTransformer.visit_For = _visit_for
+    if "cp_device" in shims:  # (e)
+        _patch_cp_device()
     _installed.append(True)
     return found

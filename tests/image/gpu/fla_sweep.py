@@ -7,7 +7,9 @@ float32 and bf16 (g in float32), on one sequence (no ``cu_seqlens``) and on a pa
 Gates: ``kernel_oracle.GATE`` (normalized RMS 2e-3 float32, 5e-2 bf16; the #640 fault gives
 0.5-0.7 on dk). Shapes are small (4 heads, T = 256) so that compilation, not the kernels,
 sets the time; each case runs in its own process (``--procs`` at a time, all on GPU 0) with
-the suite's autotune policy (``autotune_policy``: first config that runs).
+the suite's autotune policy (``autotune_policy``: first config that runs). With
+``TRITON_INTERPRET=1 GDN_FLA_SWEEP_DEVICE=cpu`` the same cases run on CPU under Triton's
+interpreter (``fla_interpret``'s shims), a dry run of the harness with tiny ``--dims``.
 
     python tests/image/gpu/fla_sweep.py --out DIR [--dims "32 64 100 128 256 64x128"] [--procs N]
 
@@ -46,9 +48,13 @@ def parse_dims(text: str) -> list:
     return out
 
 
-def case_list(dims) -> list:
+def case_list(dims, layouts=("single", "packed")) -> list:
+    """One case per (K x V, dtype, layout); ``layouts``: of ``single`` (no cu_seqlens) and ``packed``."""
+    bad = [x for x in layouts if x not in ("single", "packed")]
+    if bad or not layouts:
+        raise ValueError(f"layouts {list(layouts)}: each must be 'single' or 'packed'")
     return [{"id": f"k{k}_v{v}/{dt}/{layout}", "head_k": k, "head_v": v, "dtype": dt, "packed": layout == "packed"}
-            for k, v in dims for dt in DTYPES for layout in ("single", "packed")]
+            for k, v in dims for dt in DTYPES for layout in layouts]
 
 
 def run_one(case: dict) -> dict:
@@ -56,17 +62,24 @@ def run_one(case: dict) -> dict:
     sys.path[:0] = [str(IMAGE), str(HERE)]
     import torch
 
-    import autotune_policy
     import kernel_oracle
 
-    autotune_policy.install()
+    device = os.environ.get("GDN_FLA_SWEEP_DEVICE", "cuda:0")
+    if os.environ.get("TRITON_INTERPRET") == "1":  # CPU dry run of the harness (slow; small --dims)
+        import fla_interpret
+
+        fla_interpret.install()
+    else:
+        import autotune_policy
+
+        autotune_policy.install()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     t0 = time.time()
     cu = PACKED if case["packed"] else [0, T]
     res = kernel_oracle.check_case(chunk_gated_delta_rule, dtype=getattr(torch, case["dtype"]), cu_list=cu,
                                    head_k=case["head_k"], head_v=case["head_v"], packed=case["packed"],
-                                   device="cuda:0")
+                                   device=device)
     res["seconds"] = round(time.time() - t0, 1)
     return res
 
@@ -103,6 +116,8 @@ def host_info() -> dict:
     except OSError:
         smi = []
     cap = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        smi = ["CPU, Triton interpreter (dry run of the harness; not GPU figures)"]
     return {"gpus": smi, "capability": list(cap) if cap else None, "torch": torch.__version__,
             "cuda": torch.version.cuda, "triton": triton.__version__, "fla": fla.__version__,
             "python": sys.version.split()[0], "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"),
@@ -140,6 +155,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="folder for fla-sweep-<set>.json and .md")
     ap.add_argument("--dims", default=os.environ.get("GDN_FLA_SWEEP_DIMS", "32 64 100 128 256 64x128"))
+    ap.add_argument("--layouts", default=os.environ.get("GDN_FLA_SWEEP_LAYOUTS", "single packed"))
     ap.add_argument("--procs", type=int, default=int(os.environ.get("GDN_FLA_SWEEP_PROCS", "0")) or None)
     ap.add_argument("--timeout", type=float, default=float(os.environ.get("GDN_FLA_SWEEP_TIMEOUT", "400")),
                     help="seconds per case process")
@@ -151,15 +167,18 @@ def main(argv=None) -> int:
     if not args.out:
         ap.error("--out is required")
     try:
-        cases = case_list(parse_dims(args.dims))
+        cases = case_list(parse_dims(args.dims), tuple(args.layouts.split()))
     except ValueError as exc:
-        print(f"fla_sweep: --dims {args.dims!r}: {exc}\nhint: e.g. --dims \"32 64 100 128 256 64x128\"", file=sys.stderr)
+        print(f"fla_sweep: --dims {args.dims!r} --layouts {args.layouts!r}: {exc}\n"
+              "hint: e.g. --dims \"32 64 100 128 256 64x128\" --layouts \"single packed\"", file=sys.stderr)
         return 2
     out = Path(args.out)
     logs = Path(os.environ.get("GDN_FLA_SWEEP_WORK", "/tmp/gdn-fla-sweep")) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     host = host_info()
-    procs = args.procs or min(len(cases), os.cpu_count() or 4, 16)
+    # one wave: compilation is CPU-bound, the kernels tiny (each process holds a CUDA context)
+    procs = args.procs or min(len(cases), 2 * (os.cpu_count() or 4), 32)
     t0 = time.time()
     with ThreadPoolExecutor(procs) as pool:
         results = list(pool.map(lambda c: _child(c, args.timeout, logs), cases))
