@@ -7,7 +7,7 @@
 #   Dockerfile
 #   deps/requirements.lock   hash-pinned Python packages of the flavour
 #                            (docker/requirements-cpu.lock or docker/requirements-cuda.lock,
-#                            docker/requirements-cuda-fla052.lock with --fla 0.5.2)
+#                            docker/requirements-cuda-fla052.lock / -fla060.lock with --fla 0.5.2 / 0.6.0)
 #   deps/torch-cpu.lock      hash-pinned cpu torch wheel (cpu flavour only)
 #   deps/wheels/             the cpu torch wheel (cpu flavour), else empty
 #   deps/install-deps.sh     makes /opt/gdn/venv

@@ -43,9 +43,9 @@ release: venv  ## New dated patch + lock (DATE=YYYY-MM-DD, default today UTC); s
 
 # The cuda images cannot be built here (their NGC base cannot be pulled): prove each cuda lock
 # installs for Python 3.12 manylinux x86_64 (pip resolver dry run, hashes required) and covers
-# Bridge's declared deps: the default FLA 0.4.2 set and the FLA 0.5.2 set, in one command.
+# Bridge's declared deps: the default FLA 0.4.2 set and the FLA 0.5.2 and 0.6.0 sets, in one command.
 .PHONY: check-locks
-check-locks: venv  ## Both cuda locks (FLA 0.4.2 default, FLA 0.5.2) resolve (pip dry run; needs PyPI).
+check-locks: venv  ## Every cuda lock (FLA 0.4.2 default, 0.5.2, 0.6.0) resolves (pip dry run; needs PyPI).
 	@$(call tool,$(PY) tools/image check-lock --flavour cuda --fla all)
 
 check-patch: venv  ## Regenerate with the lock's date and compare with the files on disk (the lock alone in a fresh clone).
@@ -87,6 +87,41 @@ test-gated: venv  ## CI, part 2 (after `make gate`): the Docker tests, tests/ima
 	GDN_DOCKER_TESTS=1 GDN_GATE_CASES=$(abspath $(GATE_CASES)) $(PYTEST) tests/unit/test_image_docker.py tests/image \
 	  -q -rs -m "not fla_interpret" $(call junit,gated)
 
+# ---- the real-FLA CPU tier on each FLA set (docs/fla-versions.md "What is tested where") ----
+# `make test-fla-interpret FLA=0.5.2` builds build/fla-tier/venv-0.5.2 (never the shared .venv):
+# requirements/verify.txt with its FLA axis replaced by the set's pins, the project's CPU torch,
+# then runs `tests/image -m fla_interpret` there and records versions, counts and seconds in
+# results/fla-tiers/fla<digits>.json (tests/image/fla_tier_record.py). Not in CI: the 0.4.2 tier
+# already runs there (test-host), and each other set takes as long again (results/fla-tiers/README.md).
+FLA_TIER_SETS := 0.4.2 0.5.2 0.6.0
+FLA_TIER_DIR ?= build/fla-tier
+FLA_TIER_PYTHON ?= python3.11
+fla_tier_triton = $(if $(filter 0.4.2,$(1)),3.6.0,3.7.1)
+# FLA 0.6.0's set is fla-core alone, as in its image lock (image_pipeline/lock.py FLA_SETS).
+fla_tier_packages = $(if $(filter 0.6.0,$(1)),fla-core==$(1),flash-linear-attention==$(1) fla-core==$(1))
+FLA_TIER_VENV = $(FLA_TIER_DIR)/venv-$(FLA)
+
+.PHONY: test-fla-interpret fla-tier-venv
+$(FLA_TIER_DIR)/venv-%/.installed: pyproject.toml requirements/verify.txt
+	@case " $(FLA_TIER_SETS) " in *" $* "*) ;; *) echo "error: no CPU tier for FLA $*; sets: $(FLA_TIER_SETS)" >&2; \
+	  echo "hint: make test-fla-interpret FLA=<one of $(FLA_TIER_SETS)>" >&2; exit 2;; esac
+	rm -rf $(@D)
+	$(FLA_TIER_PYTHON) -m venv $(@D)
+	grep -v -E '^(triton|flash-linear-attention|fla-core)==' requirements/verify.txt > $(@D)/requirements.txt
+	printf '%s\n' triton==$(call fla_tier_triton,$*) $(call fla_tier_packages,$*) >> $(@D)/requirements.txt
+	$(@D)/bin/python -m pip install -q '$(TORCH_SPEC)'
+	$(@D)/bin/python -m pip install -q -e '.[test]' -r $(@D)/requirements.txt '$(TORCH_SPEC)'
+	touch $@
+
+fla-tier-venv: $(FLA_TIER_VENV)/.installed  ## The CPU tier's venv of FLA set FLA= (build/fla-tier/venv-<set>).
+
+test-fla-interpret: $(FLA_TIER_VENV)/.installed  ## The real-FLA CPU tier on FLA set FLA= (0.4.2, 0.5.2, 0.6.0) in its own venv -> results/fla-tiers/.
+	@mkdir -p $(FLA_TIER_DIR)/run-$(FLA)
+	rc=0; GDN_GATE_CASES= GDN_FLA_TIER_RECORD=$(FLA_TIER_DIR)/run-$(FLA)/tier.json $(FLA_TIER_VENV)/bin/python -m pytest \
+	  tests/image -q -rs -m fla_interpret -p no:cacheprovider --junitxml=$(FLA_TIER_DIR)/run-$(FLA)/junit.xml || rc=$$?; \
+	$(FLA_TIER_VENV)/bin/python tests/image/fla_tier_record.py $(FLA_TIER_DIR)/run-$(FLA) results/fla-tiers || { [ $$rc -ne 0 ] || rc=1; }; \
+	exit $$rc
+
 # ---- GPU host (tools/gpu-suite, tools/bench-gdn; docs/gpu.md) ---------------------
 # FLA wheels for the GPU host's Python (3.12 on the device tool's H200 hosts).
 GPU_PYTHON_VERSION ?= 3.12
@@ -121,7 +156,7 @@ gpu-training:  ## On a GPU host: the training tier's full matrix -> results/raw/
 # gate builds the cpu flavour (local Debian base + CPU torch), which runs anywhere.
 IMAGE_FLAVOUR ?= cuda
 GATE_FLAVOUR ?= cpu
-# FLA set of `make image`: 0.4.2 (default) or 0.5.2 (cuda only; README "Choosing an FLA version").
+# FLA set of `make image`: 0.4.2 (default), 0.5.2 or 0.6.0 (cuda only; README "Choosing an FLA version").
 FLA ?= 0.4.2
 IMAGE_ARGS ?=
 # Where `make gate` writes its report: build/ci/ (ignored by git), so a gate run by hand changes

@@ -82,8 +82,9 @@ def _build_options(f):
     options = [
         click.option("--flavour", type=click.Choice(sorted(FLAVOURS)), default="cuda", show_default=True,
                      help="cuda: NGC PyTorch base, for users. cpu: local Debian base + CPU torch, for gating."),
-        _fla_option("FLA set of the image: 0.4.2 (triton 3.6.0, the default) or 0.5.2 (cuda flavour only: "
-                    "triton 3.7.1 with torch 2.12.1; image tag gdn-megatron:cuda-fla052)."),
+        _fla_option("FLA set of the image: 0.4.2 (triton 3.6.0, the default), 0.5.2 or 0.6.0 (cuda flavour "
+                    "only: triton 3.7.1 with torch 2.12.1; 0.6.0 is fla-core alone; image tags "
+                    "gdn-megatron:cuda-fla052, gdn-megatron:cuda-fla060)."),
         click.option("--base-image", default=None, help="Override the flavour's BASE_IMAGE."),
         click.option("--tree", type=click.Path(), help="Tree root holding megatron/ [build/tree/base]."),
         click.option("--patch", type=click.Path(), help="Patch [patches/latest/megatron.patch]."),
@@ -239,8 +240,8 @@ def base(tag):
 
 @cli.command()
 @click.option("--flavour", type=click.Choice(["cpu", "cuda", "all"]), default="all", show_default=True)
-@_fla_option("FLA set to lock: 0.4.2 writes docker/requirements-<flavour>.lock; 0.5.2 (cuda only) writes "
-             "docker/requirements-cuda-fla052.lock.")
+@_fla_option("FLA set to lock: 0.4.2 writes docker/requirements-<flavour>.lock; 0.5.2 and 0.6.0 (cuda only) "
+             "write docker/requirements-cuda-fla052.lock and -cuda-fla060.lock.")
 @click.option("--torch-wheel", type=click.Path(exists=True), default=str(CPU_TORCH_WHEEL), show_default=True)
 def lock(flavour, fla, torch_wheel):
     """Regenerate docker/requirements-<flavour>.lock from docker/requirements.in (needs PyPI).
@@ -248,7 +249,9 @@ def lock(flavour, fla, torch_wheel):
     cpu resolves on CPython 3.11 next to the cpu torch wheel; cuda on CPython 3.12 next to
     torch 2.10.0 (the NGC base's), leaving out what that base provides. With --fla 0.5.2
     (cuda): FLA 0.5.2 and triton 3.7.1 in place of requirements.in's FLA lines, next to torch
-    2.12.1, which that lock holds with torchvision and torch's CUDA runtime wheels.
+    2.12.1, which that lock holds with torchvision and torch's CUDA runtime wheels. --fla 0.6.0
+    likewise, with fla-core 0.6.0 alone (flash-linear-attention 0.6.0 needs transformers>=5.6.2,
+    which Megatron-Bridge refuses).
     """
     from .lock import write_lock
 
@@ -267,18 +270,20 @@ def lock(flavour, fla, torch_wheel):
 @cli.command("check-lock")
 @click.option("--flavour", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
 @click.option("--fla", type=click.Choice([*sorted(FLA_SETS), "all"]), default=DEFAULT_FLA, show_default=True,
-              help="FLA set whose lock to check (0.5.2: docker/requirements-cuda-fla052.lock, cuda only); "
+              help="FLA set whose lock to check (0.5.2, 0.6.0: docker/requirements-cuda-fla052.lock, "
+                   "-cuda-fla060.lock, cuda only); "
                    "all: every lock of the flavour, sharing one dry run of the pins they hold alike.")
 @click.option("--lock", "lock_path", type=click.Path(exists=True), default=None,
-              help="Lock to check [docker/requirements-<flavour>.lock, or -cuda-fla052 with --fla 0.5.2].")
+              help="Lock to check [docker/requirements-<flavour>.lock, or -cuda-fla0NN with --fla 0.N.N].")
 def check_lock(flavour, fla, lock_path):
     """Prove a lock installs on its flavour's Python and platform, without installing it (CI; needs PyPI).
 
     pip's dry run with --require-hashes --no-deps for the target (cuda: CPython 3.12,
     manylinux x86_64 up to glibc 2.39), then every declared dependency of every pin, markers
     evaluated for the target, must be met by a pin or by what the base provides, and the lock
-    must hold its FLA set. With --fla all (cuda: the 0.4.2 and 0.5.2 locks) the second lock
-    dry-runs only the pins the first does not hold alike (its FLA set and torch's closure).
+    must hold its FLA set. With --fla all (cuda: the 0.4.2, 0.5.2 and 0.6.0 locks) each lock
+    after the first dry-runs only the pins no earlier one holds alike (its FLA set, and torch's
+    closure for the first lock that has it).
     """
     from .lock import check_locks
 
@@ -298,7 +303,7 @@ def check_lock(flavour, fla, lock_path):
                              hint=f"Make it with `tools/image lock --flavour {flavour} --fla {v}` (needs PyPI) and "
                                   "commit it, or restore it with `git checkout -- docker/`.")
     for (path, _target), result in zip(checks, check_locks(checks, Inputs().docker_dir / "requirements.in")):
-        shared = f"; {result['shared']} pins shared with the first lock's dry run" if result.get("shared") else ""
+        shared = f"; {result['shared']} pins taken from an earlier lock's dry run" if result.get("shared") else ""
         say(f"==> [check-lock] {path.name} (FLA {result['fla']}, triton {result['triton']}): "
             f"{result['packages']} packages install on CPython {result['python']} "
             f"({result['platforms']}) with their hashes; every declared dependency is met{shared}", "bold green")

@@ -47,7 +47,7 @@ def flavour_lock(flavour: str, fla: str = DEFAULT_FLA) -> Path:
     cuda: resolved for CPython 3.12 on the NGC base (Ubuntu 24.04, glibc 2.39), without what that
     base provides (``image_pipeline.lock.BASE_PROVIDED``). Another FLA set than the default
     (``fla``, :data:`image_pipeline.lock.FLA_SETS`) has its own lock,
-    ``docker/requirements-cuda-fla052.lock`` for FLA 0.5.2; a pair without one raises
+    ``docker/requirements-cuda-fla052.lock`` for FLA 0.5.2 (``-fla060`` for 0.6.0); a pair without one raises
     :class:`image_pipeline.errors.ImageError` naming those that exist.
     """
     return REPO_ROOT / "docker" / f"requirements-{target_for(flavour, fla).key}.lock"

@@ -74,6 +74,11 @@ class FlaSet:
     triton: str
     #: Why this triton (written into the lock's header).
     why: str
+    #: The FLA distributions the set pins at ``fla``. FLA 0.6.0's set pins fla-core alone:
+    #: flash-linear-attention 0.6.0 (``fla.layers``, ``fla.models``: FLA's Hugging Face model
+    #: classes, which neither the patched tree nor Bridge imports) requires transformers>=5.6.2,
+    #: and Megatron-Bridge 2faedbf6 requires transformers<=5.6.0, so pip cannot install both.
+    packages: tuple = ("flash-linear-attention", "fla-core")
 
 
 #: The selectable FLA versions (``tools/image lock/check-lock/build --fla``, ``make image FLA=``).
@@ -81,6 +86,8 @@ FLA_SETS = {
     "0.4.2": FlaSet("0.4.2", "3.6.0", "triton 3.9 breaks `import fla` 0.4.2; 3.6.0 works"),
     "0.5.2": FlaSet("0.5.2", "3.7.1", "FLA 0.5.x refuses its gated backward on Hopper with triton >= 3.4.0, "
                                       "< 3.7.1: FLA issue #640"),
+    "0.6.0": FlaSet("0.6.0", "3.7.1", "FLA 0.6.0 still refuses its gated backward on Hopper with triton >= 3.4.0, "
+                                      "< 3.7.1: FLA issue #640", packages=("fla-core",)),
 }
 #: The requirement names the FLA axis replaces in requirements.in.
 FLA_AXIS = ("flash-linear-attention", "fla-core", "triton")
@@ -136,9 +143,12 @@ TARGETS = {
     "cuda": Target("cuda", "3.12", (2, 39), "torch==2.10.0", _CUDA_BASE),
 }
 #: Targets of the other FLA sets, by (flavour, fla). torch 2.12.1 is the first torch that declares
-#: triton==3.7.1 (2.10.0 and 2.11.0 declare 3.6.0).
+#: triton==3.7.1 (2.10.0 and 2.11.0 declare 3.6.0; 2.13 declares 3.7.1 too, 2.14 3.8.0). FLA 0.6.0
+#: declares only torch>=2.7.0, triton>=3.3 and keeps the Hopper rule of #640, so it takes the
+#: same torch and triton as 0.5.2: the two sets differ in FLA (and transformers) only.
 FLA_TARGETS = {
     ("cuda", "0.5.2"): Target("cuda", "3.12", (2, 39), "torch==2.12.1", _CUDA_BASE, fla="0.5.2", own_torch=True),
+    ("cuda", "0.6.0"): Target("cuda", "3.12", (2, 39), "torch==2.12.1", _CUDA_BASE, fla="0.6.0", own_torch=True),
 }
 
 
@@ -182,12 +192,12 @@ _HEADER = """\
 {own_torch}# The Dockerfile installs this file with `pip install --require-hashes`.
 """
 _OWN_TORCH_NOTE = """\
-# FLA {fla} set: flash-linear-attention and fla-core {fla}, triton {triton}, in place of the FLA
+# FLA {fla} set: {packages} {fla}, triton {triton}, in place of the FLA
 # lines of requirements.in ({why}).
-# The base's torch declares another triton, so this lock holds {torch} (it declares
+{without}# The base's torch declares another triton, so this lock holds {torch} (it declares
 # triton=={triton}), torchvision and torch's CUDA runtime wheels; in the venv they shadow the base's.
 # The base's Transformer Engine is built for the base's torch. Every other package is held at
-# docker/requirements-{flavour}.lock's version where torch accepts it.
+# docker/requirements-{flavour}.lock's version where torch and FLA accept it.
 """
 
 
@@ -275,8 +285,12 @@ def render_lock(entries: Iterable[LockEntry], target: Optional[Target] = None) -
     own = ""
     if target.own_torch:
         fla_set = FLA_SETS[target.fla]
+        without = "" if "flash-linear-attention" in fla_set.packages else (
+            "# Without flash-linear-attention (FLA's model classes, imported by neither the tree nor Bridge):\n"
+            f"# flash-linear-attention {target.fla} requires transformers>=5.6.2, Megatron-Bridge <=5.6.0.\n")
         own = _OWN_TORCH_NOTE.format(fla=target.fla, triton=fla_set.triton, why=fla_set.why, torch=target.torch,
-                                     flavour=target.flavour)
+                                     flavour=target.flavour, packages=" and ".join(fla_set.packages),
+                                     without=without)
     fla_flag = "" if target.fla == DEFAULT_FLA else f" --fla {target.fla}"
     out = [_HEADER.format(flavour=target.flavour, fla_flag=fla_flag, python=target.python,
                           glibc=".".join(map(str, target.glibc)), base=target.base, provided=", ".join(provided),
@@ -375,15 +389,16 @@ def requirements_for(requirements_in: Path, target: Target) -> list[str]:
 
     kept = [line for line in lines if canonical(Requirement(line).name) not in FLA_AXIS]
     fla_set = FLA_SETS[target.fla]
-    return kept + [f"flash-linear-attention=={fla_set.fla}", f"fla-core=={fla_set.fla}",
-                   f"triton=={fla_set.triton}"]
+    return kept + [f"{name}=={fla_set.fla}" for name in fla_set.packages] + [f"triton=={fla_set.triton}"]
 
 
 def held_pins(default_lock: dict[str, LockEntry], target: Target, torch_requires: Iterable[str]) -> list[str]:
     """``name==version`` constraints that hold a non-default FLA set's lock at the default lock's
     versions: every pin of ``default_lock`` but the FLA axis, torch, torchvision, what the
-    default target takes from the base, and a pin the target's torch does not accept
-    (``torch_requires``: its ``Requires-Dist``, markers evaluated for the target)."""
+    default target takes from the base, and a pin that the target's torch or its FLA set does not
+    accept (``torch_requires``: the ``Requires-Dist`` of torch, flash-linear-attention and fla-core,
+    markers evaluated for the target; e.g. FLA 0.6.0's ``transformers>=5.6.2`` releases the default
+    lock's transformers 5.6.0)."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 
@@ -405,12 +420,15 @@ def held_pins(default_lock: dict[str, LockEntry], target: Target, torch_requires
 
 
 def _torch_requires(python: str, target: Target, work: Path) -> list[str]:
-    """``Requires-Dist`` of the target's torch (pip's metadata of it, nothing installed)."""
+    """``Requires-Dist`` of the target's torch and of its FLA set's two packages (pip's metadata
+    of them, nothing installed): what :func:`held_pins` must not hold against."""
     report = work / "torch-report.json"
+    fla_set = FLA_SETS[target.fla]
     _pip(python, ["install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet", "--report", str(report),
-                  "--target", str(work / "torch-target"), *_target_flags(target), target.torch])
+                  "--target", str(work / "torch-target"), *_target_flags(target), target.torch,
+                  *[f"{name}=={fla_set.fla}" for name in fla_set.packages]])
     items = json.loads(report.read_text(encoding="utf-8")).get("install", [])
-    return list(items[0]["metadata"].get("requires_dist") or []) if items else []
+    return [text for item in items for text in item["metadata"].get("requires_dist") or []]
 
 
 def resolve(requirements_in: Path, target: Target, work: Path, torch_wheel: Optional[Path] = None) -> dict:
@@ -588,9 +606,10 @@ def _verify(data: dict, lock_path: Path, target: Target, requirements_in: Option
     requested = requirements_for(requirements_in, target) if requirements_in else []
     unmet = unmet_requirements(data, target, requested)
     pins = {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in data.get("install", [])}
-    wrong = [f"{name}=={pins.get(name)} (the FLA {target.fla} set pins {want})"
-             for name, want in (("flash-linear-attention", target.fla), ("fla-core", target.fla),
-                                ("triton", target.triton)) if pins.get(name) != want]
+    fla_set = FLA_SETS[target.fla]
+    wants = [(name, target.fla if name in fla_set.packages else None) for name in FLA_AXIS if name != "triton"]
+    wrong = [f"{name}=={pins.get(name)} (the FLA {target.fla} set " + (f"pins {want})" if want else "leaves it out)")
+             for name, want in wants + [("triton", target.triton)] if pins.get(name) != want]
     if wrong:
         raise ImageError(f"lock {lock_path} does not hold the FLA {target.fla} set: {', '.join(wrong)}",
                          f"Regenerate it with `tools/image lock --flavour {target.flavour} --fla {target.fla}`, "
@@ -622,17 +641,12 @@ def check_lock(lock_path: Path, target: Target, requirements_in: Optional[Path] 
     return _verify(_dry_run(lock_path, target, python or sys.executable), lock_path, target, requirements_in)
 
 
-def shared_pins(lock: dict[str, LockEntry], other: dict[str, LockEntry]) -> set[str]:
-    """Names pinned in both locks at the same version with the same set of file hashes."""
-    return {n for n, e in lock.items() if n in other and other[n].version == e.version and other[n].hashes == e.hashes}
-
-
 def check_locks(checks: list[tuple[Path, Target]], requirements_in: Optional[Path] = None,
                 python: Optional[str] = None) -> list[dict]:
     """:func:`check_lock` for several locks of one Python and platform (the cuda FLA sets), with
-    one full dry run: the first lock's; each other lock dry-runs only its pins that the first
-    lock does not hold identically (same version, same hashes), and its closure check reads the
-    first report for the rest. pip's result for an identical pin on the same target is the same,
+    one full dry run: the first lock's; each other lock dry-runs only its pins that no lock
+    before it holds identically (same version, same hashes: the 0.6.0 lock takes torch's closure
+    from the 0.5.2 lock's run), and its closure check reads the earlier reports for the rest. pip's result for an identical pin on the same target is the same,
     so this proves what separate runs would, downloading the shared files once.
 
     Returns one result per lock (with ``"shared"``: pins taken from the first report).
@@ -647,17 +661,28 @@ def check_locks(checks: list[tuple[Path, Target]], requirements_in: Optional[Pat
                              "Check them one at a time (`tools/image check-lock --flavour F --fla V`).")
     first_data = _dry_run(first_path, first, python)
     results = [_verify(first_data, first_path, first, requirements_in, shared=0)]
-    by_name = {canonical(i["metadata"]["name"]): i for i in first_data.get("install", [])}
-    first_lock = parse_lock(first_path.read_text(encoding="utf-8"))
+    # pins already dry-run (by name, version and hashes) -> pip's report item for them
+    known = {}
+
+    def remember(lock, items):
+        for item in items:
+            entry = lock.get(canonical(item["metadata"]["name"]))
+            if entry is not None:
+                known[(entry.name, entry.version, frozenset(entry.hashes))] = item
+
+    remember(parse_lock(first_path.read_text(encoding="utf-8")), first_data.get("install", []))
     for path, target in rest:
         lock = parse_lock(path.read_text(encoding="utf-8"))
-        shared = shared_pins(lock, first_lock)
+        key = {n: (e.name, e.version, frozenset(e.hashes)) for n, e in lock.items()}
+        shared = {n for n in lock if key[n] in known}
         own = [e for n, e in lock.items() if n not in shared]
-        items = [by_name[n] for n in sorted(shared)]
+        items = [known[key[n]] for n in sorted(shared)]
         if own:
             with tempfile.TemporaryDirectory(prefix="gdn-lock-own-") as tmp:
                 own_path = Path(tmp) / path.name
                 own_path.write_text(render_lock(own, target), encoding="utf-8")
-                items += _dry_run(own_path, target, python).get("install", [])
+                own_items = _dry_run(own_path, target, python).get("install", [])
+            remember(lock, own_items)
+            items += own_items
         results.append(_verify({"install": items}, path, target, requirements_in, shared=len(shared)))
     return results

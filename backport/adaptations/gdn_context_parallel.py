@@ -80,10 +80,11 @@ def register_linear_cp_mode(mode: str) -> None:
 
 
 #: FLA (flash-linear-attention / fla-core) releases the GDN layers are tested with. 0.4.2: triton
-#: 3.6.0. 0.5.2: triton >= 3.7.1 on Hopper (FLA refuses its gated backward with triton >= 3.4.0,
-#: < 3.7.1 there unless tilelang is usable); it runs FlashQLA instead of its Triton kernels when
-#: ``flash_qla`` is installed, except under CP (``FLA_FLASH_QLA=0`` turns that off).
-SUPPORTED_FLA_VERSIONS = ("0.4.2", "0.5.2")
+#: 3.6.0. 0.5.2 and 0.6.0: triton >= 3.7.1 on Hopper (FLA refuses its gated backward with triton
+#: >= 3.4.0, < 3.7.1 there unless tilelang is usable); they run FlashQLA instead of their Triton
+#: kernels when ``flash_qla`` is installed, except under CP (``FLA_FLASH_QLA=0`` turns that off).
+#: 0.6.0 is fla-core alone (flash-linear-attention 0.6.0 needs a transformers Bridge refuses).
+SUPPORTED_FLA_VERSIONS = ("0.4.2", "0.5.2", "0.6.0")
 
 
 class UnsupportedFLAError(RuntimeError):
@@ -119,11 +120,13 @@ def check_fla_version(version: Optional[str] = None) -> str:
     if found not in SUPPORTED_FLA_VERSIONS:
         raise UnsupportedFLAError(
             f"flash-linear-attention {found or '(not found)'} is installed; the GDN layers of this "
-            f"Megatron tree support FLA {' and '.join(SUPPORTED_FLA_VERSIONS)} only (FLA changed "
-            "chunk_gated_delta_rule's parameters between releases). Install one of them: "
-            "`pip install flash-linear-attention==0.4.2 fla-core==0.4.2 triton==3.6.0`, or "
-            "`pip install flash-linear-attention==0.5.2 fla-core==0.5.2 triton==3.7.1` "
-            "with a torch that declares that triton (torch 2.12.1)."
+            f"Megatron tree support FLA {', '.join(SUPPORTED_FLA_VERSIONS[:-1])} and "
+            f"{SUPPORTED_FLA_VERSIONS[-1]} only (FLA changed chunk_gated_delta_rule's parameters "
+            "between releases). Install one of them: "
+            "`pip install flash-linear-attention==0.4.2 fla-core==0.4.2 triton==3.6.0`, "
+            "`pip install flash-linear-attention==0.5.2 fla-core==0.5.2 triton==3.7.1`, or "
+            "`pip install fla-core==0.6.0 triton==3.7.1` (without flash-linear-attention), the last "
+            "two with a torch that declares that triton (torch 2.12.1)."
         )
     return found
 

@@ -1,4 +1,4 @@
-"""Test-side shims that let FLA 0.4.2's real Triton kernels run on CPU under Triton's interpreter.
+"""Test-side shims that let FLA's real Triton kernels (0.4.2, 0.5.2, 0.6.0) run on CPU under Triton's interpreter.
 
 Used only by the real-kernel CPU tier (``test_image_fla_interpret.py`` and its driver
 ``fla_interpret_tier.py``), in a fresh process started with ``TRITON_INTERPRET=1`` (the
@@ -22,13 +22,21 @@ and Megatron run as shipped. What is shimmed, and why:
     ``i_t.to(tl.int64)`` fails; the shim extends the interpreter's AST rewrite (which already
     wraps every assignment in ``interpreter_semantic.to_tensor``) to rebind each ``for``
     target the same way at the top of the loop body.
+(e) FLA 0.6.0 only: ``fla.ops.cp.context._check_cp_device`` raises for any tensor that is not on
+    an NVIDIA GPU of compute capability >= 8 (or Ascend) before every CP kernel ("CP affine chains
+    require NVIDIA Ampere or newer"), because its CP merge dots run in ``tf32x3``. The shim lets
+    CPU tensors through (the interpreter computes those dots in float32 numpy) and keeps the
+    check for every other device; it replaces the function in each ``fla.ops.cp`` module that
+    imported it by name (``chunk_fwd``, ``chunk_bwd``, ``chunk_delta_h``, ``chunk_merge``).
 (d) gloo's all-gather shape: ``fla_gloo.install()`` (its own module; installed by the
     tier's gloo workers, not here).
 
-Pinned to the versions the shims were written for: flash-linear-attention / fla-core
-0.4.2, triton 3.6.0, numpy 2.4.x. :func:`install` raises ``RuntimeError`` on any other
-version, naming what to re-check, so a version bump fails loudly instead of silently
-running different code.
+Each FLA release the tier runs on has its own entry in :data:`RELEASES`: the triton and numpy it
+was checked with and the shims it needs. FLA 0.5.2 and 0.6.0 (triton 3.7.1) need (b) and (c2),
+0.6.0 also (e): their ``custom_device_ctx`` already returns a null context for a CPU tensor (device index
+``None``), and triton 3.7.1's ``__index__`` converts through ``squeeze()`` (the fix of (c1)).
+:func:`install` raises ``RuntimeError`` on a release or version outside that table, naming what
+to re-check, so a version bump fails loudly instead of silently running different code.
 """
 
 from __future__ import annotations
@@ -36,33 +44,58 @@ from __future__ import annotations
 import ast
 import contextlib
 import os
+from dataclasses import dataclass
+from typing import Tuple
 
+@dataclass(frozen=True)
+class Release:
+    """What one FLA release's tier was checked with: ``triton`` (exact), ``numpy`` (minor), and
+    the shims it needs, of ``device_ctx`` (a), ``bench`` (b), ``index`` (c1), ``for_target`` (c2),
+    ``cp_device`` (e)."""
+
+    triton: str
+    numpy: str
+    shims: Tuple[str, ...]
+
+
+#: FLA release -> what its tier runs with (the sets of docs/fla-versions.md).
+RELEASES = {
+    "0.4.2": Release("3.6.0", "2.4", ("device_ctx", "bench", "index", "for_target")),
+    "0.5.2": Release("3.7.1", "2.4", ("bench", "for_target")),
+    "0.6.0": Release("3.7.1", "2.4", ("bench", "for_target", "cp_device")),
+}
+# The default set's pins (kept for callers that name them).
 FLA_VERSION = "0.4.2"
-TRITON_VERSION = "3.6.0"
-NUMPY_MINOR = "2.4"
+TRITON_VERSION = RELEASES[FLA_VERSION].triton
+NUMPY_MINOR = RELEASES[FLA_VERSION].numpy
 
 _installed = []
 
 
 def check_versions() -> dict:
-    """Return the versions found; raise ``RuntimeError`` when any differs from the pins."""
+    """Return the versions found (``fla``, ``triton``, ``numpy``, and ``shims``: the shims that
+    release needs); raise ``RuntimeError`` when FLA is not in :data:`RELEASES` or triton / numpy
+    differ from that release's entry."""
     import fla
     import numpy
     import triton
 
     found = {"fla": fla.__version__, "triton": triton.__version__, "numpy": numpy.__version__}
+    release = RELEASES.get(found["fla"])
+    if release is None:
+        raise RuntimeError(f"tests/image/fla_interpret.py: FLA {found['fla']} has no entry in RELEASES "
+                           f"(written for {', '.join(RELEASES)}): re-check every shim (a)-(c) against it "
+                           "and add it to RELEASES.")
     drift = []
-    if found["fla"] != FLA_VERSION:
-        drift.append(f"FLA {found['fla']} (written for {FLA_VERSION}: re-check (a) fla.utils.input_guard)")
-    if found["triton"] != TRITON_VERSION:
-        drift.append(f"triton {found['triton']} (written for {TRITON_VERSION}: re-check (b) "
-                     "Autotuner._bench and (c) interpreter.ASTTransformer / _patch_lang_tensor)")
-    if not found["numpy"].startswith(NUMPY_MINOR + "."):
-        drift.append(f"numpy {found['numpy']} (written for {NUMPY_MINOR}.x: re-check (c1))")
+    if found["triton"] != release.triton:
+        drift.append(f"triton {found['triton']} (FLA {found['fla']}'s tier was written for triton {release.triton}: "
+                     "re-check (b) Autotuner._bench and (c) interpreter.ASTTransformer / _patch_lang_tensor)")
+    if not found["numpy"].startswith(release.numpy + "."):
+        drift.append(f"numpy {found['numpy']} (written for {release.numpy}.x: re-check (c1))")
     if drift:
         raise RuntimeError("tests/image/fla_interpret.py: version drift: " + "; ".join(drift)
-                           + ". Update the shims and their pins together.")
-    return found
+                           + ". Update the shims and RELEASES together.")
+    return {**found, "shims": list(release.shims)}
 
 
 def _index(self):
@@ -88,12 +121,33 @@ def _visit_for(self, node):
     return node
 
 
+def _patch_cp_device() -> None:
+    import importlib
+    import sys
+
+    import fla.ops.cp.context as cp_context
+
+    original = cp_context._check_cp_device
+
+    def check_cp_device(device):
+        if device.type == "cpu":
+            return None
+        return original(device)
+
+    for name in ("chunk_fwd", "chunk_bwd", "chunk_delta_h", "chunk_merge"):
+        importlib.import_module(f"fla.ops.cp.{name}")
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("fla.") and getattr(mod, "_check_cp_device", None) is original:
+            mod._check_cp_device = check_cp_device
+
+
 def install() -> dict:
-    """Install shims (a)-(c) once per process; return the versions found.
+    """Install the shims the installed FLA release needs (:data:`RELEASES`), once per process;
+    return the versions found (with ``shims``).
 
     Raises:
-        RuntimeError: ``TRITON_INTERPRET`` is not ``1`` (the kernels would need a GPU), or a
-            version differs from the pins.
+        RuntimeError: ``TRITON_INTERPRET`` is not ``1`` (the kernels would need a GPU), a
+            version differs from :data:`RELEASES`, or a patch point of a needed shim is gone.
     """
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("fla_interpret.install() needs TRITON_INTERPRET=1 set before triton is "
@@ -104,29 +158,37 @@ def install() -> dict:
     import fla.utils
     from triton.runtime import autotuner, interpreter
 
-    missing = [n for n, ok in (
-        ("fla.utils.custom_device_ctx", hasattr(fla.utils, "custom_device_ctx")),
-        ("Autotuner._bench", hasattr(autotuner.Autotuner, "_bench")),
-        ("interpreter._patch_lang_tensor", hasattr(interpreter, "_patch_lang_tensor")),
-        ("interpreter.ASTTransformer", hasattr(interpreter, "ASTTransformer")),
-        ("interpreter.interpreter_semantic", hasattr(interpreter, "interpreter_semantic")),
-    ) if not ok]
+    shims = set(found["shims"])
+    points = {
+        "device_ctx": [("fla.utils.custom_device_ctx", hasattr(fla.utils, "custom_device_ctx"))],
+        "bench": [("Autotuner._bench", hasattr(autotuner.Autotuner, "_bench"))],
+        "index": [("interpreter._patch_lang_tensor", hasattr(interpreter, "_patch_lang_tensor"))],
+        "for_target": [("interpreter.ASTTransformer", hasattr(interpreter, "ASTTransformer")),
+                       ("interpreter.interpreter_semantic", hasattr(interpreter, "interpreter_semantic"))],
+    }
+    if "cp_device" in shims:
+        import fla.ops.cp.context as cp_context
+
+        points["cp_device"] = [("fla.ops.cp.context._check_cp_device", hasattr(cp_context, "_check_cp_device"))]
+    missing = [n for shim in sorted(shims) for n, ok in points[shim] if not ok]
     if missing:
         raise RuntimeError(f"tests/image/fla_interpret.py: {', '.join(missing)} not found; the shims "
-                           "no longer match this FLA/triton.")
-    # (a)
-    fla.utils.custom_device_ctx = lambda index: contextlib.nullcontext()
-    # (b)
-    autotuner.Autotuner._bench = lambda self, *args, config, **meta: [0.0, 0.0, 0.0]
-    # (c1)
-    original = interpreter._patch_lang_tensor
+                           f"no longer match FLA {found['fla']} / triton {found['triton']}.")
+    if "device_ctx" in shims:  # (a)
+        fla.utils.custom_device_ctx = lambda index: contextlib.nullcontext()
+    if "bench" in shims:  # (b)
+        autotuner.Autotuner._bench = lambda self, *args, config, **meta: [0.0, 0.0, 0.0]
+    if "index" in shims:  # (c1)
+        original = interpreter._patch_lang_tensor
 
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", _index)
+        def patch_lang_tensor(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", _index)
 
-    interpreter._patch_lang_tensor = patch_lang_tensor
-    # (c2)
-    interpreter.ASTTransformer.visit_For = _visit_for
+        interpreter._patch_lang_tensor = patch_lang_tensor
+    if "for_target" in shims:  # (c2)
+        interpreter.ASTTransformer.visit_For = _visit_for
+    if "cp_device" in shims:  # (e)
+        _patch_cp_device()
     _installed.append(True)
     return found

@@ -51,19 +51,19 @@ def case_ids():
     return [f"kernel/gdn/oracle_k{HEAD_K}_v{HEAD_V}/{name}" for name in CASES]
 
 
-def _inputs(T: int, dtype, seed: int, device):
+def _inputs(T: int, dtype, seed: int, device, heads: int = HEADS, head_k: int = HEAD_K, head_v: int = HEAD_V):
     gen = torch.Generator().manual_seed(seed)
 
     def r(*s):
         return torch.randn(*s, generator=gen, dtype=torch.float64)
 
     x = {
-        "q": r(1, T, HEADS, HEAD_K),
-        "k": F.normalize(r(1, T, HEADS, HEAD_K), dim=-1),
-        "v": r(1, T, HEADS, HEAD_V),
-        "g": F.logsigmoid(r(1, T, HEADS) + 2.0),
-        "beta": torch.sigmoid(r(1, T, HEADS)),
-        "G": r(1, T, HEADS, HEAD_V),
+        "q": r(1, T, heads, head_k),
+        "k": F.normalize(r(1, T, heads, head_k), dim=-1),
+        "v": r(1, T, heads, head_v),
+        "g": F.logsigmoid(r(1, T, heads) + 2.0),
+        "beta": torch.sigmoid(r(1, T, heads)),
+        "G": r(1, T, heads, head_v),
     }
     # FLA takes g in float32 whatever the other dtypes (as GatedDeltaNet hands it over).
     return {n: t.to(device=device, dtype=torch.float32 if n == "g" else dtype) for n, t in x.items()}
@@ -124,3 +124,24 @@ def run_oracle(rank: int, world: int, device, *, chunk_gated_delta_rule=None,
             rec["passed"] = rec["matched"]
         records.append(rec)
     return records
+
+
+def check_case(chunk_gated_delta_rule, *, dtype, cu_list, head_k: int, head_v: int, heads: int = HEADS,
+               seed: int = 700, device="cuda", packed: bool = True) -> dict:
+    """One oracle comparison at any head dims (the FLA-set sweep, ``tests/image/gpu/fla_sweep.py``).
+
+    ``dtype``: of q, k, v, beta (g stays float32); ``cu_list``: global ``cu_seqlens``, passed to
+    FLA only when ``packed`` (else one sequence of ``cu_list[-1]`` tokens, no ``cu_seqlens``).
+    Returns ``{"checks": {out, dq, dk, dv, dg, dbeta: compare_nrms at GATE[dtype]}, "matched",
+    "error"}``; an exception (FLA refusing the combination, say) is returned as ``error``.
+    """
+    try:
+        cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+        x = _inputs(cu_list[-1], dtype, seed=seed, device=device, heads=heads, head_k=head_k, head_v=head_v)
+        got = _fla(chunk_gated_delta_rule, x, cu if packed else None)
+        want = _oracle(x, cu)
+        checks = {n: H.compare_nrms(got[n], want[n], GATE[dtype]) for n in want}
+        return {"checks": checks, "matched": H.all_passed(checks), "error": None}
+    except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
+        return {"checks": {}, "matched": False, "error": f"{type(exc).__name__}: {exc}"[:600],
+                "traceback": traceback.format_exc()[-2000:]}

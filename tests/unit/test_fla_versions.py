@@ -46,28 +46,29 @@ def guard():
 
 
 def test_guard_lists_the_image_fla_sets(guard):
-    assert guard.SUPPORTED_FLA_VERSIONS == tuple(sorted(FLA_SETS)) == ("0.4.2", "0.5.2")
+    assert guard.SUPPORTED_FLA_VERSIONS == tuple(sorted(FLA_SETS)) == ("0.4.2", "0.5.2", "0.6.0")
 
 
-@pytest.mark.parametrize("version", ["0.4.2", "0.5.2"])
+@pytest.mark.parametrize("version", ["0.4.2", "0.5.2", "0.6.0"])
 def test_guard_accepts_the_supported_versions(guard, version):
     assert guard.check_fla_version(version) == version
 
 
-@pytest.mark.parametrize("version", ["0.4.1", "0.5.1", "0.5.3", "0.6.0", "0.4.2.dev0"])
+@pytest.mark.parametrize("version", ["0.4.1", "0.5.1", "0.5.3", "0.6.1", "0.7.0", "0.4.2.dev0"])
 def test_guard_refuses_others_naming_the_version_found(guard, version):
     with pytest.raises(guard.UnsupportedFLAError) as exc:
         guard.check_fla_version(version)
     text = str(exc.value)
     assert f"flash-linear-attention {version} is installed" in text
-    assert "0.4.2 and 0.5.2 only" in text and "pip install flash-linear-attention==0.5.2" in text
+    assert "0.4.2, 0.5.2 and 0.6.0 only" in text and "pip install flash-linear-attention==0.5.2" in text
+    assert "`pip install fla-core==0.6.0 triton==3.7.1` (without flash-linear-attention)" in text
     assert not isinstance(exc.value, (ImportError, TypeError))  # not mistaken for "FLA missing"
 
 
 def test_guard_reads_the_fla_that_imports(guard, monkeypatch):
-    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.6.0"))
-    assert guard.installed_fla_version() == "0.6.0"
-    with pytest.raises(guard.UnsupportedFLAError, match="flash-linear-attention 0.6.0 is installed"):
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.6.1"))
+    assert guard.installed_fla_version() == "0.6.1"
+    with pytest.raises(guard.UnsupportedFLAError, match="flash-linear-attention 0.6.1 is installed"):
         guard.check_fla_version()
     monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.5.2"))
     assert guard.check_fla_version() == "0.5.2"
@@ -125,12 +126,13 @@ def test_recipe_lists_the_guard_as_beyond_upstream_with_its_reason():
     step = next(s for s in recipe.steps if s.id == "adapt-gdn-fla-version-check")
     assert step.transform == "gdn_init_check_fla_version"
     assert step.beyond_upstream and "state_v_first" in step.beyond_upstream[0].why
+    assert "0.6.0" in step.why and "chunk_indices" in step.beyond_upstream[0].why
 
 
 # --------------------------------------------------------------------------- capability check
 
 @pytest.mark.parametrize("fla, triton", [("0.5.2", "3.6.0"), ("0.5.2", "3.4.0"), ("0.5.0", "3.7.0+git4a1b"),
-                                         ("0.6.0", "3.5.1")])
+                                         ("0.6.0", "3.5.1"), ("0.6.0", "3.6.0")])
 def test_capability_refuses_hopper_fla05_old_triton_without_tilelang(fla, triton):
     with pytest.raises(AssertionError) as exc:
         cc.check_fla_hopper(fla, triton, hopper=True, tilelang=False, seen="NVIDIA H200 (sm90)")
@@ -295,3 +297,104 @@ def test_check_locks_dry_runs_only_the_pins_the_second_lock_does_not_share(tmp_p
                                   target_for("cuda", "0.5.2")))
     with pytest.raises(Exception, match=r"does not hold the FLA 0.5.2 set: triton==3.6.0"):
         L.check_locks([(first, TARGETS["cuda"]), (second, target_for("cuda", "0.5.2"))])
+
+
+# --------------------------------------------------------------------------- the FLA 0.6.0 set
+
+def test_fla060_set_is_fla_core_alone_on_the_052_torch_and_triton():
+    target = target_for("cuda", "0.6.0")
+    assert (target.key, target.triton, target.torch, target.own_torch) == ("cuda-fla060", "3.7.1", "torch==2.12.1",
+                                                                          True)
+    assert FLA_SETS["0.6.0"].packages == ("fla-core",)
+    assert flavour_lock("cuda", "0.6.0") == REPO / "docker" / "requirements-cuda-fla060.lock"
+    reqs = requirements_for(REPO / "docker" / "requirements.in", target)
+    axis = [r for r in reqs if r.split("==")[0] in ("flash-linear-attention", "fla-core", "triton")]
+    assert axis == ["fla-core==0.6.0", "triton==3.7.1"]
+    text = render_lock([LockEntry("fla-core", "0.6.0", {"a" * 64})], target)
+    assert "# FLA 0.6.0 set: fla-core 0.6.0, triton 3.7.1" in text
+    assert "flash-linear-attention 0.6.0 requires transformers>=5.6.2, Megatron-Bridge <=5.6.0" in text
+    with pytest.raises(InputError, match="no lock for the cpu flavour with FLA 0.6.0"):
+        flavour_lock("cpu", "0.6.0")
+
+
+def test_held_pins_release_what_the_fla_set_refuses():
+    """FLA 0.6.0 needs transformers>=5.6.2: the default lock's 5.6.0 is not held (the resolver then
+    refuses the set against Bridge's <=5.6.0, which is why the set leaves flash-linear-attention out)."""
+    default = {n: LockEntry(n, v, {"0" * 64}) for n, v in [("transformers", "5.6.0"), ("einops", "0.8.2")]}
+    held = held_pins(default, target_for("cuda", "0.6.0"), ["transformers<6,>=5.6.2", "einops"])
+    assert held == ["einops==0.8.2"]
+
+
+FLA060_LOCK = REPO / "docker" / "requirements-cuda-fla060.lock"
+
+
+@pytest.mark.skipif(not FLA060_LOCK.exists(), reason="docker/requirements-cuda-fla060.lock not generated")
+def test_committed_fla060_lock_pins_the_set():
+    entries = parse_lock(FLA060_LOCK.read_text())
+    assert entries["fla-core"].version == "0.6.0" and "flash-linear-attention" not in entries
+    assert entries["triton"].version == "3.7.1" and entries["torch"].version == "2.12.1"
+    assert entries["transformers"].version == parse_lock(flavour_lock("cuda").read_text())["transformers"].version
+    assert all(e.hashes for e in entries.values())
+    assert render_lock(entries.values(), target_for("cuda", "0.6.0")) == FLA060_LOCK.read_text()
+
+
+def test_check_locks_refuses_flash_linear_attention_in_a_core_only_set(tmp_path, monkeypatch):
+    from image_pipeline import lock as L
+
+    default = [LockEntry("flash-linear-attention", "0.4.2", {"1" * 64}), LockEntry("fla-core", "0.4.2", {"2" * 64}),
+               LockEntry("triton", "3.6.0", {"3" * 64})]
+    fla060 = [LockEntry("fla-core", "0.6.0", {"7" * 64}), LockEntry("triton", "3.7.1", {"8" * 64})]
+    first, second = tmp_path / "requirements-cuda.lock", tmp_path / "requirements-cuda-fla060.lock"
+    first.write_text(render_lock(default, TARGETS["cuda"]))
+    second.write_text(render_lock(fla060, target_for("cuda", "0.6.0")))
+    monkeypatch.setattr(L, "_dry_run", lambda path, target, python: {
+        "install": [_fake_item(e) for e in parse_lock(path.read_text()).values()]})
+    results = L.check_locks([(first, TARGETS["cuda"]), (second, target_for("cuda", "0.6.0"))])
+    assert [(r["fla"], r["packages"]) for r in results] == [("0.4.2", 3), ("0.6.0", 2)]
+    second.write_text(render_lock(fla060 + [LockEntry("flash-linear-attention", "0.6.0", {"9" * 64})],
+                                  target_for("cuda", "0.6.0")))
+    with pytest.raises(Exception, match=r"flash-linear-attention==0.6.0 \(the FLA 0.6.0 set leaves it out\)"):
+        L.check_locks([(first, TARGETS["cuda"]), (second, target_for("cuda", "0.6.0"))])
+
+
+@pytest.mark.parametrize("fla, packages", [("0.4.2", ("0.4.2", "0.4.2")), ("0.5.2", ("0.5.2", "0.5.2")),
+                                           ("0.6.0", (None, "0.6.0"))])
+def test_capability_versions_of_each_set(monkeypatch, fla, packages):
+    found = dict(zip(("flash-linear-attention", "fla-core"), packages), triton="3.7.1", torch="2.12.1")
+    monkeypatch.setattr(cc, "_version", lambda dist: found.get(dist))
+    assert cc.check_versions(fla, "3.7.1")["fla-core"] == fla
+    if fla == "0.6.0":
+        found["flash-linear-attention"] = "0.6.0"
+        with pytest.raises(AssertionError, match="flash-linear-attention==0.6.0 \\(want none: the set leaves it out\\)"):
+            cc.check_versions(fla, "3.7.1")
+
+
+def test_check_locks_third_lock_reuses_the_second_locks_dry_run(tmp_path, monkeypatch):
+    """The 0.6.0 lock shares torch's closure with the 0.5.2 lock, not with the default: it dry-runs
+    only fla-core (the one pin no earlier lock holds alike)."""
+    from image_pipeline import lock as L
+
+    default = [LockEntry("flash-linear-attention", "0.4.2", {"1" * 64}), LockEntry("fla-core", "0.4.2", {"2" * 64}),
+               LockEntry("triton", "3.6.0", {"3" * 64}), LockEntry("einops", "0.8.2", {"4" * 64})]
+    fla052 = [LockEntry("flash-linear-attention", "0.5.2", {"6" * 64}), LockEntry("fla-core", "0.5.2", {"7" * 64}),
+              LockEntry("triton", "3.7.1", {"8" * 64}), LockEntry("einops", "0.8.2", {"4" * 64}),
+              LockEntry("torch", "2.12.1", {"9" * 64})]
+    fla060 = [LockEntry("fla-core", "0.6.0", {"a" * 64}), LockEntry("triton", "3.7.1", {"8" * 64}),
+              LockEntry("einops", "0.8.2", {"4" * 64}), LockEntry("torch", "2.12.1", {"9" * 64})]
+    paths = [tmp_path / f"requirements-{k}.lock" for k in ("cuda", "cuda-fla052", "cuda-fla060")]
+    targets = [TARGETS["cuda"], target_for("cuda", "0.5.2"), target_for("cuda", "0.6.0")]
+    for path, entries, target in zip(paths, (default, fla052, fla060), targets):
+        path.write_text(render_lock(entries, target))
+    runs = []
+
+    def fake_dry_run(path, target, python):
+        entries = parse_lock(path.read_text())
+        runs.append(sorted(entries))
+        return {"install": [_fake_item(e) for e in entries.values()]}
+
+    monkeypatch.setattr(L, "_dry_run", fake_dry_run)
+    results = L.check_locks(list(zip(paths, targets)))
+    assert runs[1] == ["fla-core", "flash-linear-attention", "torch", "triton"]
+    assert runs[2] == ["fla-core"]
+    assert [(r["fla"], r["packages"], r["shared"]) for r in results] == [("0.4.2", 4, 0), ("0.5.2", 5, 1),
+                                                                         ("0.6.0", 4, 3)]
