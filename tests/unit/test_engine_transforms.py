@@ -26,7 +26,9 @@ def test_registry_lists_the_gdn_transforms():
         "gdn_linear_cp_forward",
         "gdn_prepare_qkv_headwise_cp_size", "gdn_prepare_qkv_fused_copies", "gdn_local_cp_none_group",
         "packed_seq_params_metadata_fields", "te_attention_skip_packed_metadata",
-        "context_parallel_layout_finalize_export", *FIXES])
+        "context_parallel_layout_finalize_export", "gdn_init_register_linear_cp_mode",
+        "bridge_packed_seq_utils_finalize", "mcore_data_schedule_finalize", "qwen3_vl_finalize_packed",
+        "qwen3_vl_step_finalize_packed", *FIXES])
 
 
 def test_every_preserved_fix_of_the_recipe_has_a_recogniser_of_its_forms():
@@ -309,11 +311,16 @@ def test_fused_copies_replace_a_body_whose_template_statement_the_carry_changed(
     assert result.status == "applied" and result.text == once
 
 
+from test_finalize_transforms import FINALIZE_SITES  # noqa: E402
+
+
 def test_transforms_are_deterministic():
     special = {"gdn_prepare_qkv_fused_copies": _with_cp_size(),
                "packed_seq_params_metadata_fields": PACKED_SEQ_PARAMS,
                "te_attention_skip_packed_metadata": TE_ATTENTION,
                "context_parallel_layout_finalize_export": CONTEXT_PARALLEL_LAYOUT,
+               "gdn_init_register_linear_cp_mode": REGISTRY["gdn_init_check_linear_cp"](GDN, "x.py").text,
+               **{name: text for name, (text, _) in FINALIZE_SITES.items()},
                "gdn_init_check_fla_version": GDN.replace(
                    "        self.config = config\n",
                    "        if not HAVE_FLA:\n            raise ImportError('no FLA')\n        self.config = config\n")}
