@@ -121,7 +121,7 @@ def test_finalize_makes_the_only_copy():
     group = FakeGroup(2, 1)
     psp = _psp(cp_group=group, local_cp_size=2)
     with fla_context_stub(), count_host_copies() as calls:
-        assert g.finalize_packed_seq_params(psp) is psp
+        assert g.finalize_packed_seq_params(psp, linear_cp_modes=("chunkwise",)) is psp
         meta = psp.gdn_packed_metadata
         for _ in range(4):
             assert g.packed_seq_metadata(psp, 256, group) is meta

@@ -7,7 +7,8 @@
 
 (a) the entry point: importable from upstream's module, returns its argument, resolves the CP
     group (the params' own, else ``parallel_state``'s), SBHD gets only the group, CP=1 THD gets
-    host boundaries and a device tensor of its own and no route, idempotent.
+    host boundaries and a device tensor of its own and no route, idempotent; by default it
+    prebuilds the CP state of the modes the process's GDN layers registered.
 (b) every kind of buffer reuse a data loader does (:data:`KINDS`: an in-place ``copy_``, a slice
     assignment, a broadcast into a reused tensor on the receiving rank, ``.data.copy_``, a numpy
     view write, a new tensor of equal values, one ``PackedSeqParams`` across micro-batches, one
@@ -17,11 +18,15 @@
     those of a fresh ``PackedSeqParams`` of the same values, or the run ends in a
     ``LinearCPError`` naming ``finalize_packed_seq_params``; and FLA never receives a tensor the
     caller owns (any ``cu_seqlens`` tensor reachable from the params).
-(c) the counters: at finalize one host copy, and at CP > 1 one route, one all_gather index pair
-    and one FLA context per micro-batch; in the layers none of them, at depth L = 2 and 8,
+(c) the counters (``PACKED_METADATA_COUNTS`` and a spy on the host copy): at finalize one host
+    copy and, at CP > 1, the state of the layers' mode once (chunkwise: one route and one FLA
+    context; all_gather: one index pair); in the layers nothing at all, at depth L = 2 and 8,
     forward + backward with recompute, every mode, CP 1/2/4 and dynamic CP (one CP=4 layer
     stack, micro-batches on CP 1/2/4 subgroups). Without finalize: exactly one layer build and
-    one host copy per micro-batch, and one warning naming finalize_packed_seq_params.
+    one host copy per micro-batch (plus the mode's state), and one warning naming
+    finalize_packed_seq_params. Finalized without the mode's state: built late in the layers,
+    counted, no copy. Packed input with empty segments and distinct q/kv tensors (one copy of
+    both); SBHD: nothing; a metadata that never matches: one copy per layer (the control).
 
 The fault issue 43 fixed lived in FLA's identity-keyed caches (``fla.utils.tensor_cache``: one
 entry, ``is``): the stand-ins of ``fla_emulation`` reproduce them (:class:`fla_emulation.
@@ -103,6 +108,16 @@ def _fla_context_stub():
         yield
 
 
+@contextlib.contextmanager
+def _layer_modes(*modes):
+    """The linear_cp_modes the GatedDeltaNet layers of this process registered, for the block
+    (finalize's default prebuild; other tests of the process build layers of any mode)."""
+    from megatron.core.ssm import gdn_context_parallel as g
+
+    with mock.patch.object(g, "_LAYER_MODES", set(modes)):
+        yield
+
+
 def test_finalize_resolves_the_cp_group_of_the_params_first():
     need_tree()
     from megatron.core import parallel_state
@@ -110,7 +125,7 @@ def test_finalize_resolves_the_cp_group_of_the_params_first():
 
     own, static = FakeGroup(2, 1), FakeGroup(4, 0)
     psp = _make_psp(_tensor(PACK_A), cp_group=own, local_cp_size=2)
-    with _fla_context_stub(), mock.patch.object(
+    with _fla_context_stub(), _layer_modes("chunkwise"), mock.patch.object(
             parallel_state, "get_context_parallel_group", lambda check_initialized=True: static):
         finalize_packed_seq_params(psp)
     meta = psp.gdn_packed_metadata
@@ -167,7 +182,7 @@ def test_finalize_at_cp1_builds_host_boundaries_and_a_device_tensor_of_its_own_o
         assert mine.untyped_storage().data_ptr() != cu.untyped_storage().data_ptr()
     assert meta.route is None and psp.cp_partition_route is None
     delta = {k: g.PACKED_METADATA_COUNTS[k] - before.get(k, 0) for k in g.PACKED_METADATA_COUNTS}
-    assert {k: v for k, v in delta.items() if v} == {"finalized": 1}
+    assert {k: v for k, v in delta.items() if v} == {"finalized": 1, "host_copies": 1}
     assert meta.matches(psp, None)
 
 
@@ -180,9 +195,9 @@ def test_finalize_is_idempotent(cp):
     group = FakeGroup(cp, cp - 1) if cp > 1 else None
     psp = _make_psp(_tensor(PACK_A))
     with _fla_context_stub():
-        finalize_packed_seq_params(psp, cp_group=group)
+        finalize_packed_seq_params(psp, cp_group=group, linear_cp_modes=MODES)
         first = psp.gdn_packed_metadata
-        assert finalize_packed_seq_params(psp, cp_group=group) is psp
+        assert finalize_packed_seq_params(psp, cp_group=group, linear_cp_modes=MODES) is psp
     second = psp.gdn_packed_metadata
     assert second.finalized and second.matches(psp, group) and first.matches(psp, group)
     assert psp.cp_partition_route is second.route
@@ -198,6 +213,39 @@ def test_finalize_is_idempotent(cp):
     built = g.PACKED_METADATA_COUNTS["layer_built"]
     assert g.packed_seq_metadata(psp, TOKENS, group) is second
     assert g.PACKED_METADATA_COUNTS["layer_built"] == built
+
+
+@pytest.mark.parametrize("registered,built", [
+    ((), {}),
+    (("headwise",), {}),
+    (("chunkwise",), {"routes": 1, "fla_contexts": 1}),
+    (("all_gather",), {"gather_indices": 1}),
+    (("headwise", "chunkwise", "all_gather"), {"routes": 1, "fla_contexts": 1, "gather_indices": 1}),
+])
+def test_finalize_prebuilds_the_state_of_the_registered_layer_modes(registered, built):
+    """By default finalize builds the CP state of exactly the modes the process's GatedDeltaNet
+    layers were built with (each layer registers its mode at construction)."""
+    need_tree()
+    from megatron.core.context_parallel_layout import finalize_packed_seq_params
+    from megatron.core.ssm import gdn_context_parallel as g
+
+    before = dict(g.PACKED_METADATA_COUNTS)
+    with _fla_context_stub(), _layer_modes(*registered):
+        finalize_packed_seq_params(_make_psp(_tensor(PACK_A)), cp_group=FakeGroup(2, 0))
+    want = {"finalized": 1, "host_copies": 1, **built}
+    assert _count_delta(before) == want
+
+
+def test_building_a_gdn_layer_registers_its_mode():
+    need_tree()
+    import gdn_harness as H
+    from megatron.core.ssm import gdn_context_parallel as g
+
+    with _layer_modes(), mock.patch("torch.cuda.current_device", lambda: "cpu"):
+        for mode in ("all_gather", "chunkwise"):
+            H.build_gdn(H.make_config(_geometry(), cp=1, mode=mode, cpu_init=True),
+                        H.make_pg(FakeGroup(1), FakeGroup(1)))
+        assert g._LAYER_MODES == {"all_gather", "chunkwise"}
 
 
 def test_finalize_refuses_bad_boundaries_in_the_data_path():
@@ -295,7 +343,12 @@ def _geometry():
 
 
 def _build_stack(mode, cp, group, groups, layers, seed=100):
+    """``layers`` GatedDeltaNet layers of ``mode`` on CP group ``group``; the process's registered
+    layer modes (finalize's default prebuild) become exactly ``{mode}``."""
     import gdn_harness as H
+    from megatron.core.ssm import gdn_context_parallel as g
+
+    g._LAYER_MODES.clear()
 
     cfg = H.make_config(_geometry(), cp=cp, mode=mode, cpu_init=True)
     stack = []
@@ -604,7 +657,14 @@ def _counter_item(stack, x, G, make_psp, finalize, controls):
     if not finalize:
         # the same numbers micro-batch after micro-batch
         rec["second_equal"] = not _differences(results[1], results[0])
-    if controls:
+    if controls and finalize:
+        # finalized without this mode's state (linear_cp_modes=("headwise",)): the layers build
+        # it late, on the host: counted, no copy, no layer build
+        psp = make_psp()
+        finalize(psp, linear_cp_modes=("headwise",))
+        _, delta, copies, warned = _measure(lambda: _run_stack(stack, x, G, psp, recompute=True))
+        rec["late"] = {"counts": delta, "copies": copies, "warnings": len(warned)}
+    if controls and not finalize:
         # recompute off: one copy all the same
         _, delta, copies, _ = _measure(lambda: _run_stack(stack, x, G, make_psp()))
         rec["copies_without_recompute"] = len(copies)
@@ -631,10 +691,10 @@ def _counter_worker(rank, world, _):
         x, G = x_full[idx], G_full[idx]
         # upstream's call resolves a dynamic micro-batch's group from the params; a static one
         # is given its group (parallel_state is not initialised in this world)
-        finalize = (lambda psp: finalize_packed_seq_params(psp)) if dynamic else (
-            lambda psp: finalize_packed_seq_params(psp, cp_group=group))
+        finalize = (lambda psp, **k: finalize_packed_seq_params(psp, **k)) if dynamic else (
+            lambda psp, **k: finalize_packed_seq_params(psp, cp_group=group, **k))
         controls = len(stack) == min(DEPTHS)  # depth-independent: run once, at the small depth
-        out = {"finalized": _counter_item(stack, x, G, lambda: _stack_psp(**kw), finalize, False),
+        out = {"finalized": _counter_item(stack, x, G, lambda: _stack_psp(**kw), finalize, controls),
                "not_finalized": _counter_item(stack, x, G, lambda: _stack_psp(**kw), None, controls)}
         a, b = out["finalized"].pop("results"), out["not_finalized"].pop("results")
         rec = {"id": rid, "mode": mode, "cp": size, "L": len(stack), "dynamic": dynamic,
@@ -682,38 +742,32 @@ def _counter_records(gloo_world):
     return _cache["counters"]
 
 
-def _expected_at_finalize(cp):
-    # default linear_cp_modes: the state of every mode (the route, the all_gather indices and
-    # the FLA context at CP > 1), one host copy of both distinct q/kv tensors
-    return ({"finalized": 1, "routes": 1, "gather_indices": 1, "fla_contexts": 1} if cp > 1
-            else {"finalized": 1}), [2]
-
-
-def _expected_not_finalized(mode, cp):
-    counts = {"layer_built": 1}
-    if cp > 1 and mode == "chunkwise":
-        counts.update(routes=1, fla_contexts=1)
-    if cp > 1 and mode == "all_gather":
-        counts["gather_indices"] = 1
-    return counts
+def _mode_state(mode, cp):
+    """The CP state a layer of ``mode`` reads: the route and FLA context (chunkwise), the
+    all_gather index pair; none at CP=1 or headwise."""
+    if cp == 1 or mode == "headwise":
+        return {}
+    return {"routes": 1, "fla_contexts": 1} if mode == "chunkwise" else {"gather_indices": 1}
 
 
 def _counter_problems(r):
     problems = []
+    state = _mode_state(r["mode"], r["cp"])
     for i, mb in enumerate(r["finalized"]["micro_batches"]):
-        counts, copies = _expected_at_finalize(r["cp"])
+        # one host copy (of both distinct q/kv tensors) and the layers' mode's state, once
+        want = {"finalized": 1, "host_copies": 1, **state}
         fin = mb["finalize"]
-        if {k: v for k, v in fin["counts"].items() if k != "host_copies"} != counts or fin["copies"] != copies:
-            problems.append(f"micro-batch {i} at finalize: {fin}, expected {counts} and copies {copies}")
+        if fin["counts"] != want or fin["copies"] != [2]:
+            problems.append(f"micro-batch {i} at finalize: {fin}, expected {want} and copies [2]")
         layers = mb["layers"]
-        if {k: v for k, v in layers["counts"].items() if k != "host_copies"} or layers["copies"]:
+        if layers["counts"] or layers["copies"]:
             problems.append(f"micro-batch {i} finalized, in the layers: {layers}, expected nothing")
         if layers["warnings"] or fin["warnings"]:
             problems.append(f"micro-batch {i} finalized: warned")
     warned = 0
     for i, mb in enumerate(r["not_finalized"]["micro_batches"]):
-        layers, want = mb["layers"], _expected_not_finalized(r["mode"], r["cp"])
-        if {k: v for k, v in layers["counts"].items() if k != "host_copies"} != want or layers["copies"] != [2]:
+        layers, want = mb["layers"], {"layer_built": 1, "host_copies": 1, **state}
+        if layers["counts"] != want or layers["copies"] != [2]:
             problems.append(f"micro-batch {i} not finalized, in the layers: {layers}, expected {want} "
                             "and one copy of both tensors")
         warned += layers["warnings"]
@@ -726,12 +780,17 @@ def _counter_problems(r):
         problems.append("finalized and not finalized give different numbers")
     if r["L"] != min(DEPTHS):
         return problems
+    late = r["finalized"]["late"]
+    want = {**state, "late_builds": sum(state.values())} if state else {}
+    if late["counts"] != want or late["copies"] or late["warnings"]:
+        problems.append(f"finalized without the mode's state, in the layers: {late}, expected {want}, "
+                        "no copy, no warning")
     if v["copies_without_recompute"] != 1:
         problems.append(f"{v['copies_without_recompute']} copies without recompute, expected 1")
     if v["copies_without_reuse"] != r["L"]:
         problems.append(f"control without reuse made {v['copies_without_reuse']} copies, "
                         f"expected one per layer ({r['L']})")
-    if r["sbhd"]["copies"] or {k: v for k, v in r["sbhd"]["counts"].items() if k != "host_copies"}:
+    if r["sbhd"]["copies"] or r["sbhd"]["counts"]:
         problems.append(f"SBHD: {r['sbhd']}, expected nothing")
     return problems
 
