@@ -23,6 +23,14 @@ Geometry: hidden 64, 2 key / 2 value heads, K = V = 32, conv width 4, float32; g
   the mode's path proven by spies.
 * ``fail_fast``: an input the mode cannot handle raises ``LinearCPError`` before any
   collective (collective bomb armed), at CP=1 and CP=2, SBHD and THD.
+* ``reuse`` (issue 43): one ``PackedSeqParams`` reused for the next micro-batch, its boundaries
+  rewritten in place (``copy_``) from :data:`REUSE_A` to :data:`REUSE_B`, not finalized, at
+  CP=1 headwise and CP=2 in each mode, and finalized after the write at CP=2 chunkwise (FLA's
+  own ``build_cp_context`` then runs in finalize): the second micro-batch must match a fresh
+  ``PackedSeqParams`` of ``REUSE_B`` (its CP=1 reference, ``reuse_b``), and FLA must never
+  receive a tensor the caller owns. The two packings give FLA different chunk counts per
+  sequence (64 + 64 vs 96 + 32 tokens, chunks of 64), so FLA's identity-keyed index caches
+  (FLA #1274) would serve the first one's chunk offsets for the caller's rewritten tensor.
 """
 
 from __future__ import annotations
@@ -81,9 +89,14 @@ CASES = {c.name: c for c in (
     TierCase("thd_short", T, (0, 4, 60, 68, 128), (4, 56, 8, 60)),
     # SBHD of 8 tokens: zigzag chunks of 2 tokens, chunkwise rank share 4 (conv halo 3)
     TierCase("sbhd_short", 8),
+    # the second micro-batch of the reuse items, fresh
+    TierCase("reuse_b", T, (0, 96, 128), (96, 32)),
 )}
 
-REFS = ("sbhd", "thd", "thd_short", "sbhd_short")
+REFS = ("sbhd", "thd", "thd_short", "sbhd_short", "reuse_b")
+# reuse items: the first micro-batch's boundaries, then the second's written over them
+REUSE_A = (0, 64, 128)
+REUSE_B = (0, 96, 128)
 MODES = ("headwise", "chunkwise", "all_gather")
 EMPTY = ("thd_empty_start", "thd_empty_middle", "thd_empty_end")
 
@@ -98,6 +111,10 @@ ITEMS = (
     + [(f"cp2/{m}/{c}", "cp2", 2, m, c) for m in MODES
        for c in ("sbhd", "thd", "thd_empty_all", "thd_short", "sbhd_short")]
     + [("cp2/chunkwise/thd_int64", "cp2", 2, "chunkwise", "thd_int64")]
+    + [("reuse/cp1/headwise/copy_", "reuse", 1, "headwise", "reuse_b")]
+    + [(f"reuse/cp2/{m}/copy_", "reuse", 2, m, "reuse_b") for m in MODES]
+    # finalized after the write (the contract): FLA's own build_cp_context runs at finalize
+    + [("reuse/cp2/chunkwise/copy_finalized", "reuse", 2, "chunkwise", "reuse_b")]
 )
 
 # fail-fast inputs: name -> (local hidden length, cu_seqlens or None, cu dtype, CP sizes)
@@ -150,6 +167,56 @@ def _psp(c: TierCase):
     return psp
 
 
+def _reuse_case(cu):
+    return TierCase("reuse", cu[-1], cu, tuple(b - a for a, b in zip(cu[:-1], cu[1:])))
+
+
+def _psp_of(cu):
+    """A PackedSeqParams whose four boundary fields are the one tensor ``cu``."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    fields = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+    return PackedSeqParams(qkv_format="thd", max_seqlen_q=int(cu[-1]), max_seqlen_kv=int(cu[-1]),
+                           **{f: cu for f in fields})
+
+
+def _fla_tensor_args(module):
+    """Record ``(entry point, argument, tensor)`` for every boundary tensor Megatron hands FLA's
+    conv, scan and ``build_cp_context`` (wrapping, never replacing, the real ones)."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+
+    import fla.ops.cp
+    import megatron.core.ssm.gated_delta_net as gdn
+
+    received = []
+
+    def wrap(entry, fn):
+        def spy(*a, **k):
+            received.extend((entry, n, t) for n, t in k.items()
+                            if n in ("cu_seqlens", "cu_seqlens_cpu") and torch.is_tensor(t))
+            return fn(*a, **k)
+        return spy
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(gdn, "causal_conv1d", wrap("causal_conv1d", gdn.causal_conv1d)))
+    stack.enter_context(mock.patch.object(
+        module, "gated_delta_rule", wrap("chunk_gated_delta_rule", module.gated_delta_rule)))
+    for owner in (gdn, fla.ops.cp):
+        if hasattr(owner, "build_cp_context"):
+            stack.enter_context(mock.patch.object(
+                owner, "build_cp_context", wrap("build_cp_context", owner.build_cp_context)))
+
+    @contextlib.contextmanager
+    def ctx():
+        with stack:
+            yield received
+
+    return ctx()
+
+
 def _worker(rank, world, out_prefix, select):
     import torch
     import torch.distributed as dist
@@ -192,7 +259,10 @@ def _worker(rank, world, out_prefix, select):
         return H.global_inputs(_harness_case(c), geom.hidden, seed=11)
 
     # 1. CP=1 references, split over the ranks, then shared; each checked against the oracle.
+    # (--only: also the references the selected items compare with)
     refs = {}
+    needed = {CASES[it[4]].ref or it[4] for it in ITEMS
+              if it[1] in ("cp1", "cp2", "reuse") and select(it[0])}
     for i, name in enumerate(REFS):
         if i % world != rank:
             continue
@@ -210,7 +280,7 @@ def _worker(rank, world, out_prefix, select):
                                             H.GATE_OLD_NEW)
             return {"passed": H.all_passed(checks), "checks": checks}
 
-        if select(f"oracle/{name}"):
+        if select(f"oracle/{name}") or name in needed:
             guarded(f"oracle/{name}", "oracle", ref_and_oracle)
     gathered = [None] * world
     dist.all_gather_object(gathered, refs)
@@ -259,7 +329,40 @@ def _worker(rank, world, out_prefix, select):
         guarded(rid, kind, run_cp2)
         dist.barrier()
 
-    # 4. fail-fast items.
+    # 4. reuse items (CP=1 on rank 0, CP=2 on both ranks).
+    for rid, kind, P, mode, name in (it for it in ITEMS if it[1] == "reuse"):
+        if not select(rid) or (P == 1 and rank != 0):
+            continue
+        group = pair if P > 1 else single
+
+        def run_reuse(P=P, mode=mode, group=group, name=name, finalized=rid.endswith("_finalized")):
+            x, G = inputs(CASES[name])
+            m = build(P, mode, group)
+            cu = torch.tensor(REUSE_A, dtype=torch.int32)
+            psp = _psp_of(cu)
+            with _fla_tensor_args(m) as received:
+                idx = H.shard_index(_harness_case(_reuse_case(REUSE_A)), P, dist.get_rank(group))
+                with torch.no_grad():  # the first micro-batch: its forward fills FLA's caches
+                    m(x[idx], None, packed_seq_params=psp)
+                cu.copy_(torch.tensor(REUSE_B, dtype=torch.int32))  # the loader's next batch
+                if finalized:
+                    from megatron.core.context_parallel_layout import finalize_packed_seq_params
+
+                    finalize_packed_seq_params(psp, cp_group=group)
+                idx = H.shard_index(_harness_case(CASES[name]), P, dist.get_rank(group))
+                res = H.run_layer(m, x[idx], G[idx], psp)
+            gate = H.GATE_CP if P > 1 else H.GATE_OLD_NEW
+            checks = H.compare_to_reference(res, refs[name], idx, group, gate)
+            owned = sorted({f"{entry}:{arg}" for entry, arg, t in received
+                            if t.untyped_storage().data_ptr() == cu.untyped_storage().data_ptr()})
+            checks["fla_never_gets_the_callers_tensor"] = {"passed": not owned, "received": owned}
+            return {"passed": H.all_passed(checks), "checks": checks}
+
+        guarded(rid, kind, run_reuse)
+        if P > 1:
+            dist.barrier()
+
+    # 5. fail-fast items.
     for rid, kind, P, mode, name in FAIL_FAST_ITEMS:
         if not select(rid):
             continue

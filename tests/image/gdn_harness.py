@@ -489,9 +489,10 @@ SPIED = {
     "headwise": ("gdn.tensor_a2a_cp2hp", "gdn.tensor_a2a_hp2cp"),
     "chunkwise": ("gdn.zigzag_to_contiguous_chunks", "gdn.contiguous_to_zigzag_chunks",
                   "gdn.build_cp_context"),
-    # packed THD: both conversions go through one host-routed ThdLayoutRoutes per forward
-    # (no device sync), never through upstream's cu_seqlens conversion
-    "chunkwise_thd": ("gcp.ThdLayoutRoutes", "gdn.build_cp_context"),
+    # packed THD: both conversions go through one host-routed ThdLayoutRoutes per micro-batch
+    # (no device sync), never through upstream's cu_seqlens conversion; FLA's CP context comes
+    # from the micro-batch's PackedSeqMetadata (``meta.``: its methods), built once there
+    "chunkwise_thd": ("gcp.ThdLayoutRoutes", "meta.fla_cp_context"),
     "all_gather": ("gcp.gather_zigzag_sequence", "gcp.scatter_zigzag_sequence"),
 }
 
@@ -522,7 +523,7 @@ def spy_paths(module):
     except ImportError:  # base tree
         gcp = None
     spy = PathSpy()
-    mods = {"gdn": gdn, "gcp": gcp}
+    mods = {"gdn": gdn, "gcp": gcp, "meta": getattr(gcp, "PackedSeqMetadata", None)}
     with contextlib.ExitStack() as stack:
         for names in SPIED.values():
             for qual in names:

@@ -278,32 +278,43 @@ def test_headwise_dynamic_group_that_cannot_split_heads_fails_fast():
     [0, 0, 64, 200, 256], [0, 64, 64, 200, 256], [0, 64, 200, 256, 256],
     [0, 0, 0, 64, 64, 200, 200, 256, 256],
 ])
-def test_packed_cu_seqlens_drops_empty_segments(cu, dtype):
+def test_packed_seq_metadata_drops_empty_segments(cu, dtype):
     """Repeated boundaries anywhere are dropped; dtype and device are kept; the host copy
     matches (FLA and the layout helpers take it as cu_seqlens_cpu)."""
     need_tree()
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.ssm.gdn_context_parallel import packed_cu_seqlens
+    from megatron.core.ssm.gdn_context_parallel import PackedSeqMetadata, packed_seq_metadata
 
     t = torch.tensor(cu, dtype=getattr(torch, dtype))
     actual = torch.tensor([0] + [max(0, c - 3) for c in cu[1:]], dtype=t.dtype).cummax(0).values
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=actual, cu_seqlens_kv=actual,
                           cu_seqlens_q_padded=t, cu_seqlens_kv_padded=t.clone())
-    dev, host = packed_cu_seqlens(psp, 256)
-    assert dev.tolist() == [0, 64, 200, 256] and host.tolist() == [0, 64, 200, 256]
-    assert dev.dtype == t.dtype and host.device.type == "cpu"
+    meta = packed_seq_metadata(psp, 256)
+    assert isinstance(meta, PackedSeqMetadata) and psp.gdn_packed_metadata is meta
+    assert meta.cu_seqlens.tolist() == [0, 64, 200, 256]
+    assert meta.cu_seqlens_cpu.tolist() == [0, 64, 200, 256]
+    assert meta.cu_seqlens.dtype == t.dtype and meta.cu_seqlens_cpu.device.type == "cpu"
 
 
-def test_packed_cu_seqlens_without_empty_segments_is_the_given_tensor():
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_packed_seq_metadata_never_hands_out_the_callers_tensor(dtype):
+    """Without empty segments the values are the caller's, but never its tensor or memory:
+    FLA caches on tensor identity (FLA #1274), so a loader that rewrites its cu_seqlens in place
+    would otherwise get the previous micro-batch's chunk indices."""
     need_tree()
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.ssm.gdn_context_parallel import packed_cu_seqlens
+    from megatron.core.ssm.gdn_context_parallel import packed_seq_metadata
 
-    t = torch.tensor([0, 64, 200, 256], dtype=torch.int32)
-    dev, host = packed_cu_seqlens(PackedSeqParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t), 256)
-    assert dev is t and host.tolist() == t.tolist()
+    t = torch.tensor([0, 64, 200, 256], dtype=getattr(torch, dtype))
+    meta = packed_seq_metadata(PackedSeqParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t), 256)
+    for mine in (meta.cu_seqlens, meta.cu_seqlens_cpu):
+        assert mine is not t and mine.tolist() == t.tolist() and mine.dtype == t.dtype
+        assert mine.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    assert meta.cu_seqlens is not meta.cu_seqlens_cpu  # FLA's device tensor is the metadata's own
+    t[1] = 128  # the caller's rewrite reaches none of them
+    assert meta.cu_seqlens.tolist() == [0, 64, 200, 256] == meta.cu_seqlens_cpu.tolist()
 
 
 @pytest.mark.parametrize("mode", ["headwise", "chunkwise", "all_gather"])

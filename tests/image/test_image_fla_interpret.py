@@ -95,7 +95,7 @@ def test_real_fla_kernels(tmp_path_factory, rid):
     res = tier(tmp_path_factory)
     recs = [r for r in res["records"] if r["id"] == rid]
     assert recs, f"{rid} did not run (world error: {res['world_error']}); {res['stderr'][-800:]}"
-    expected_ranks = 2 if rid.startswith(("cp2/", "fail_fast/")) else 1
+    expected_ranks = 2 if rid.startswith(("cp2/", "fail_fast/", "reuse/cp2/")) else 1
     assert len(recs) == expected_ranks, [r.get("rank") for r in recs]
     assert all(r["passed"] for r in recs), _summary(recs)
 

@@ -668,7 +668,7 @@ def spy_model_paths(model):
     for n, spy in spies.items():
         spy.input_tokens = inputs[n]  # tokens of each forward's hidden_states, this rank
     current = [None]  # the GDN layer whose forward is running (conv calls happen inside it)
-    mods = {"gdn": gdn, "gcp": gcp}
+    mods = {"gdn": gdn, "gcp": gcp, "meta": getattr(gcp, "PackedSeqMetadata", None)}
     with contextlib.ExitStack() as stack:
         for names in H.SPIED.values():
             for qual in names:
