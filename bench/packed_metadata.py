@@ -34,18 +34,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-class _Group:
-    # The shape of a CP group without a collective (the routes only read size and rank).
-    def __init__(self, size, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
+from thd_route import _Group  # noqa: E402  (a CP group's shape: size and rank, no collective)
 
 
 def _median_ms(fn, repeats):

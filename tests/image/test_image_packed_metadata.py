@@ -53,6 +53,7 @@ import pytest
 
 from _image_env import need_fla, need_tree
 from _world import FakeGroup
+from test_image_host_sync import count_host_copies
 
 PACK_A = (0, 16, 40, 64)
 PACK_B = (0, 24, 32, 64)
@@ -607,28 +608,13 @@ def _stack_psp(**kw):
                            max_seqlen_q=32, max_seqlen_kv=32, **kw)
 
 
-@contextlib.contextmanager
-def _count_host_copies():
-    from megatron.core.ssm import gdn_context_parallel as g
-
-    calls = []
-    orig = g._copy_cu_seqlens_to_host
-
-    def spy(tensors):
-        calls.append(len(tensors))
-        return orig(tensors)
-
-    with mock.patch.object(g, "_copy_cu_seqlens_to_host", spy):
-        yield calls
-
-
 def _measure(fn):
     """Run ``fn``; return (its result, counter deltas, host copies (tensors per copy),
     warnings naming finalize_packed_seq_params)."""
     from megatron.core.ssm import gdn_context_parallel as g
 
     before = dict(g.PACKED_METADATA_COUNTS)
-    with _count_host_copies() as copies, warnings.catch_warnings(record=True) as caught:
+    with count_host_copies() as copies, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = fn()
     return result, _count_delta(before), copies, [str(w.message) for w in caught
