@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,6 +26,7 @@ def run(module: str, tool: str, needed: tuple[str, ...] = NEEDED) -> None:
         tool: the wrapper's path as the user typed it, for messages (``tools/backport``).
         needed: top-level packages checked before importing ``module``.
     """
+    previous = _early_signals(tool)  # the imports below take a while: a signal there is one clean line
     missing = []
     for name in needed:
         try:
@@ -42,4 +44,26 @@ def run(module: str, tool: str, needed: tuple[str, ...] = NEEDED) -> None:
             "or activate a venv with `pip install -e .` and run the same command again.\n")
         sys.exit(1)
     sys.path.insert(0, REPO)
-    importlib.import_module(module).main()
+    entry = importlib.import_module(module).main
+    for signum, handler in previous.items():  # the tool's own handling from here (its main installs it)
+        signal.signal(signum, handler)
+    entry()
+
+
+def _early_signals(tool: str) -> dict:
+    """Until the tool's ``main`` runs: SIGTERM (and SIGINT, unless inherited ignored) exit 143 / 130
+    with one ``error:`` line instead of a traceback from the middle of an import (nothing has been
+    made yet). Returns the handlers to put back."""
+    def stop(signum, _frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one message, whatever follows
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+        sys.stderr.write(f"error: {what} while starting {tool}\nhint: Run the same command again.\n")
+        sys.exit(143 if signum == signal.SIGTERM else 130)
+
+    previous = {signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        previous[signal.SIGINT] = signal.getsignal(signal.SIGINT)
+    for signum in previous:
+        signal.signal(signum, stop)
+    return previous
