@@ -7,9 +7,10 @@ its final clean-up (:func:`finish`).
 
 Rules (issue 45; the README's exit codes 130 and 143):
 
-* The first signal raises :class:`KeyboardInterrupt` (SIGINT) or :class:`Terminated` (SIGTERM)
-  in the main thread, so ``finally`` blocks and context managers run; the exit code is the
-  first signal's (130 / 143), whatever follows.
+* The first signal handled raises :class:`KeyboardInterrupt` (SIGINT) or :class:`Terminated`
+  (SIGTERM) in the main thread, so ``finally`` blocks and context managers run; the exit code is
+  that signal's (130 / 143), whatever follows. (Signals that arrive together, before the process
+  runs again, are handled in signal-number order: SIGINT first.)
 * Inside a :func:`shielded` block (making or removing a temporary folder, starting or stopping
   a child process, switching outputs in) a signal is held and raised when the outermost block
   ends, so a folder is never left half made or half removed and a child never loses its handle.
