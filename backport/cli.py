@@ -53,7 +53,8 @@ def _summary_table(m: dict, written: list, mode: str, timings: Optional[dict] = 
             for o in h["origins"]:
                 kinds[o["kind"]] = kinds.get(o["kind"], 0) + o["added"] + o["removed"]
     table.add_row("patch", f"{m['patch']['files']} files, {m['patch']['hunks']} hunks, +{m['patch']['added']} -{m['patch']['removed']}")
-    table.add_row("lines by origin", ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
+    table.add_row("lines by origin", ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+                  + " (added + removed lines, by the kind of step that made them; README \"Reading the manifest\")")
     if "added_by_kind" in m["patch"]:
         table.add_row("added lines by kind", ", ".join(f"{k} {v}" for k, v in m["patch"]["added_by_kind"].items())
                       + " (per line: tools/backport annotate [HUNK ...])")
@@ -507,8 +508,14 @@ def _interrupt_in_chain(exc: BaseException) -> "KeyboardInterrupt | None":
     return None
 
 
+#: tools/lib/venv_entry.py keeps its start-up signal handlers until main() installs these.
+INSTALLS_SIGNAL_HANDLERS = True
+
+
 def main(argv: Optional[list] = None) -> None:
-    """Entry point of ``tools/backport`` and the ``gdn-backport`` script.
+    """Entry point of ``tools/backport`` and the ``gdn-backport`` script (``argv`` None: the
+    process's own arguments, and it ends the process with ``os._exit``; a list: called inside
+    another program, which gets ``SystemExit`` and its signal handlers back).
 
     Signals (:mod:`backport.interrupts`): the first SIGINT/SIGTERM stops the run with exit 130/143
     naming the step; the clean-up runs to its end whatever follows; every temporary folder goes.
@@ -528,7 +535,18 @@ def main(argv: Optional[list] = None) -> None:
     if late is not None and code in (0, None):  # arrived after the work, before the exit: still reported
         code, text = interrupts.message(late, f"finishing ({interrupts.STEP['now']})")
         click.echo(text, err=True)
-    sys.exit(code)
+    if argv is not None:  # called inside another program (tests): its handlers back, then SystemExit
+        interrupts.restore()
+        sys.exit(code)
+    if code is not None and not isinstance(code, int):  # sys.exit("text"), as Python prints it
+        click.echo(str(code), err=True)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(code or 0)  # the process entry: no interpreter shutdown for a late signal to cut
 
 
 def _main(argv: Optional[list]) -> None:

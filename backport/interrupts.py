@@ -17,10 +17,11 @@ Rules (issue 45; the README's exit codes 130 and 143):
 * Once an interrupt is raised, later signals are only counted for :data:`GRACE_S` seconds
   (the clean-up runs to its end; several signals a few ms apart act as one); after that a signal
   raises again, so a clean-up that hangs can still be stopped.
-* :func:`finish` (the entry point's last step) removes every temporary folder still registered,
-  then ignores both signals until the process exits, so none lands in the interpreter's own
-  shutdown (which puts back the default disposition of a Python handler: the process would end
-  by the signal, exit -15 / -2 instead of 143 / 130, half way through its clean-up).
+* :func:`finish` (the entry point's last step) removes every temporary folder still registered;
+  from then on signals are only recorded, and the process entry exits with ``os._exit`` (after
+  flushing), so none lands in the interpreter's own shutdown (which puts back the default
+  disposition of a Python handler: the process would end by the signal, exit -15 / -2 instead of
+  143 / 130, half way through its clean-up).
 * An inherited ignored SIGINT (``nohup``, ``&`` in a non-interactive shell) stays ignored: the
   caller asked for it. SIGTERM is always handled.
 
@@ -48,6 +49,7 @@ GRACE_S = 10.0
 STEP: dict = {"now": "starting", "done": None}
 
 _state = {"depth": 0, "held": None, "raised_at": None, "closing": False, "installed": False, "count": 0}
+_PREVIOUS: dict = {}  # the handlers install() found, for restore()
 _PROTECTED: set = set()  # code objects whose own lines a signal never cuts (the entry point's epilogue)
 _FOLDERS: list = []  # temporary folders made and not yet removed (removed by finish() at the latest)
 
@@ -93,8 +95,10 @@ def install(protect: tuple = ()) -> None:
     _PROTECTED.clear()
     _PROTECTED.update(protect)
     _PROTECTED.add(finish.__code__)
+    _PREVIOUS.clear()
+    _PREVIOUS.update({s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)})
     signal.signal(signal.SIGTERM, _handler)
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+    if _PREVIOUS[signal.SIGINT] is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, _handler)
     _state.update(depth=0, held=None, raised_at=None, closing=False, installed=True, count=0)
     STEP.update(now="starting", done=None)
@@ -188,9 +192,21 @@ def temporary_folder(prefix: str, dir: Optional[Path] = None) -> Iterator[Path]:
         remove_folder(path)
 
 
+def restore() -> None:
+    """Put back the handlers :func:`install` found (``main`` called inside another program)."""
+    for signum, handler in _PREVIOUS.items():
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            signal.signal(signum, handler)
+
+
 def finish() -> "int | None":
-    """The entry point's last step: from here no signal raises; every registered temporary folder
-    is removed; then SIGINT and SIGTERM are ignored until the process exits.
+    """The entry point's last step: from here no signal raises (a signal is only recorded, by the
+    same Python handler: never a switch to ``SIG_IGN``, which makes Python report a signal that
+    arrived just before as "ignored due to race condition"); every registered temporary folder is
+    removed. The caller then exits without the interpreter's shutdown (``os._exit``, after
+    flushing), which would put back the default dispositions (the process would end by a late
+    signal, -15 / -2, half way through its clean-up), or calls :func:`restore` when it runs inside
+    another program.
 
     Returns:
         The signal number of a signal that arrived and was never raised (held in a shielded region
@@ -201,10 +217,7 @@ def finish() -> "int | None":
     for path in list(_FOLDERS):
         _remove(path)
         _FOLDERS.remove(path)
-    held = _state["held"]
-    for signum in (signal.SIGINT, signal.SIGTERM):  # the interpreter's shutdown restores the default
-        with contextlib.suppress(ValueError, OSError):  # of a Python handler (death by the signal), not SIG_IGN
-            signal.signal(signum, signal.SIG_IGN)
+    held, _state["held"] = _state["held"], None  # consumed: returned once
     return None if _state["raised_at"] is not None else held
 
 

@@ -20,7 +20,8 @@ terminal's Ctrl-C does) at a point picked by the try's mode:
 * ``lock``: while the run waits for a cache lock another process holds.
 
 Every try must end with: exit 130 (the first signal SIGINT) or 143 (SIGTERM), or 0 when it
-finished first (signals that arrive together, before the process runs again, are handled in
+finished first (or, ended by the signal itself with nothing on stderr, when it came during
+Python's own start-up, before the first line of the tool ran; signals that arrive together, before the process runs again, are handled in
 signal-number order, SIGINT first: then either code of the signals sent is right; the table
 counts how often the code is not the first one sent's); ``error: interrupted while <step>`` / ``error: terminated (SIGTERM) while
 <step>`` naming the step (the lock wait in ``lock`` tries; the new release complete and in
@@ -254,6 +255,8 @@ def one_try(setup: Setup, mode: str, rng: random.Random, index: int = 0) -> dict
     elif rc == 0:
         if not committed:
             problems.append("exit 0 but the new lock is not in place")
+    elif rc in (-signal.SIGINT, -signal.SIGTERM) and not err.strip():
+        pass  # ended by the signal before the tool's first line ran (Python's own start-up): nothing made yet
     elif rc not in {CODES[signal.Signals[s]] for s in sent}:
         problems.append(f"exit {rc}, but the signals were {'+'.join(sent)}")
     elif rc != CODES[signal.Signals[sent[0]]] and len(set(sent)) == 1:
@@ -293,8 +296,9 @@ def one_try(setup: Setup, mode: str, rng: random.Random, index: int = 0) -> dict
         tmpdir.rmdir()
     step = error.split(" while ", 1)[1] if " while " in error else None
     first_wins = not sent or rc not in (130, 143) or rc == CODES[signal.Signals[sent[0]]]
+    at_start = rc in (-signal.SIGINT, -signal.SIGTERM) and not err.strip()
     return {"try": index, "mode": mode, "reached": reached, "signals": sent, "to": "group" if group else "process",
-            "exit": rc, "first_signal_code": first_wins, "committed": committed, "step": step, "wall_s": round(wall, 3), "ok": not problems,
+            "exit": rc, "first_signal_code": first_wins, "ended_at_start": at_start, "committed": committed, "step": step, "wall_s": round(wall, 3), "ok": not problems,
             "problems": problems, **({"stderr_tail": err[-800:]} if problems else {})}
 
 
@@ -325,6 +329,7 @@ def report(records: list, setup: Setup, seconds: float, checks: list, seed: int,
                          "signalled": sum(bool(r["signals"]) for r in rs),
                          "after_commit": sum(r["committed"] and bool(r["signals"]) and r["exit"] != 0 for r in rs),
                          "code_of_a_later_signal": sum(not r["first_signal_code"] for r in rs),
+                         "ended_by_the_signal_at_start": sum(r["ended_at_start"] for r in rs),
                          "exits": {str(k): sum(r["exit"] == k for r in rs) for k in sorted({r["exit"] for r in rs})}}
     steps: dict = {}
     for r in records:
@@ -357,13 +362,17 @@ def markdown(data: dict) -> str:
         f" ({data['seconds']:.0f} s); `--check --offline` of the output folder after every 20 tries: "
         + ("passed every time." if not data["check_failures"] else f"{len(data['check_failures'])} failures."),
         "",
-        "| mode | tries | signalled | cut after the commit point | exit codes | code of a later signal (sent together) | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| mode | tries | signalled | cut after the commit point | exit codes | code of a later signal (sent together) "
+        "| ended by the signal in Python's start-up | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, m in data["by_mode"].items():
         exits = ", ".join(f"{k}: {v}" for k, v in m["exits"].items())
         lines.append(f"| {mode} | {m['tries']} | {m['signalled']} | {m['after_commit']} | {exits} | "
-                     f"{m['code_of_a_later_signal']} | {m['failed']} |")
+                     f"{m['code_of_a_later_signal']} | {m['ended_by_the_signal_at_start']} | {m['failed']} |")
+    lines += ["", "Exit -2 / -15 (the shell's 130 / 143) is a process ended by the signal before any line of "
+              "`tools/backport` ran (Python's own start-up, before a handler can exist): accepted only with "
+              "nothing on stderr and nothing left behind."]
     lines += ["", "Steps named by the messages of the interrupted tries:", "",
               "| step (kind) | tries |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in data["cut_steps"].items()]

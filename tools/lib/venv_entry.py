@@ -44,19 +44,23 @@ def run(module: str, tool: str, needed: tuple[str, ...] = NEEDED) -> None:
             "or activate a venv with `pip install -e .` and run the same command again.\n")
         sys.exit(1)
     sys.path.insert(0, REPO)
-    entry = importlib.import_module(module).main
-    for signum, handler in previous.items():  # the tool's own handling from here (its main installs it)
-        signal.signal(signum, handler)
-    entry()
+    mod = importlib.import_module(module)
+    if not getattr(mod, "INSTALLS_SIGNAL_HANDLERS", False):  # else kept until its main installs its own
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    mod.main()
 
 
 def _early_signals(tool: str) -> dict:
     """Until the tool's ``main`` runs: SIGTERM (and SIGINT, unless inherited ignored) exit 143 / 130
     with one ``error:`` line instead of a traceback from the middle of an import (nothing has been
     made yet). Returns the handlers to put back."""
+    said = []
+
     def stop(signum, _frame):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one message, whatever follows
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if said:  # one message and the first signal's code, whatever follows (a Python handler, not
+            return  # SIG_IGN: a signal already on its way would be reported "ignored due to race condition")
+        said.append(signum)
         what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
         sys.stderr.write(f"error: {what} while starting {tool}\nhint: Run the same command again.\n")
         sys.exit(143 if signum == signal.SIGTERM else 130)
