@@ -52,9 +52,10 @@ def run(module: str, tool: str, needed: tuple[str, ...] = NEEDED) -> None:
 
 
 def _early_signals(tool: str) -> dict:
-    """Until the tool's ``main`` runs: SIGTERM (and SIGINT, unless inherited ignored) exit 143 / 130
-    with one ``error:`` line instead of a traceback from the middle of an import (nothing has been
-    made yet). Returns the handlers to put back."""
+    """Until the tool's ``main`` runs (its imports; for a module with ``INSTALLS_SIGNAL_HANDLERS``
+    until its ``main`` installs its own): SIGTERM (and SIGINT, unless inherited ignored) exit 143 /
+    130 at once with one ``error:`` line instead of a traceback from the middle of an import
+    (nothing has been made yet). Returns the handlers to put back."""
     said = []
 
     def stop(signum, _frame):
@@ -62,8 +63,14 @@ def _early_signals(tool: str) -> dict:
             return  # SIG_IGN: a signal already on its way would be reported "ignored due to race condition")
         said.append(signum)
         what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
-        sys.stderr.write(f"error: {what} while starting {tool}\nhint: Run the same command again.\n")
-        sys.exit(143 if signum == signal.SIGTERM else 130)
+        try:
+            sys.stderr.write(f"error: {what} while starting {tool}\nhint: Run the same command again.\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        # Nothing has been made yet; os._exit, not sys.exit: the interpreter's shutdown puts back the
+        # default dispositions, and a second signal there would end the process by the signal (-15).
+        os._exit(143 if signum == signal.SIGTERM else 130)
 
     previous = {signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
