@@ -21,14 +21,13 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 from unidiff import PatchSet
 
+from . import interrupts
 from .errors import ApplyError
 from .gitenv import isolated
 from .gitpath import split_quoted, unquote
@@ -443,11 +442,11 @@ def git_apply_tree(carry: Carry, base_tree: Path) -> tuple[Optional[dict], str]:
         ({path: (bytes, mode) or None when absent}, "") for every path the carry names, or
         (None, git's message) when git refuses.
     """
-    with tempfile.TemporaryDirectory(prefix="gdn-carry-") as tmp:
-        root = Path(tmp) / "tree"
+    with interrupts.temporary_folder("gdn-carry-") as tmp:  # removed whole, a signal or not
+        root = tmp / "tree"
         root.mkdir()
         env = isolated(GIT_ENV)
-        subprocess.run(["git", "init", "-q"], cwd=root, env=env, check=True, capture_output=True)
+        interrupts.run_child(["git", "init", "-q"], cwd=root, env=env, check=True, capture_output=True)
         paths = sorted({p for cf in carry.files for p in (cf.old_path, cf.new_path) if p})
         for p in paths:
             src = base_tree / p
@@ -455,7 +454,7 @@ def git_apply_tree(carry: Carry, base_tree: Path) -> tuple[Optional[dict], str]:
                 (root / p).parent.mkdir(parents=True, exist_ok=True)
                 (root / p).write_bytes(src.read_bytes())
                 (root / p).chmod(0o755 if os.stat(src).st_mode & 0o111 else 0o644)
-        proc = subprocess.run(["git", "-c", "core.autocrlf=false", "-c", "core.filemode=true", "apply",
+        proc = interrupts.run_child(["git", "-c", "core.autocrlf=false", "-c", "core.filemode=true", "apply",
                                "--whitespace=nowarn", "-"], cwd=root, env=env, input=carry.raw, capture_output=True)
         if proc.returncode != 0:
             return None, proc.stderr.decode(errors="replace").strip()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -53,7 +52,8 @@ def _summary_table(m: dict, written: list, mode: str, timings: Optional[dict] = 
             for o in h["origins"]:
                 kinds[o["kind"]] = kinds.get(o["kind"], 0) + o["added"] + o["removed"]
     table.add_row("patch", f"{m['patch']['files']} files, {m['patch']['hunks']} hunks, +{m['patch']['added']} -{m['patch']['removed']}")
-    table.add_row("lines by origin", ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
+    table.add_row("lines by origin", ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+                  + " (added + removed lines, by the kind of step that made them; README \"Reading the manifest\")")
     if "added_by_kind" in m["patch"]:
         table.add_row("added lines by kind", ", ".join(f"{k} {v}" for k, v in m["patch"]["added_by_kind"].items())
                       + " (per line: tools/backport annotate [HUNK ...])")
@@ -183,7 +183,10 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
     # Not a terminal (CI, a pipe, a log file): one line per message, never wrapped mid-phrase.
     err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
     debug = debug or verbose
-    step = {"now": "checking the inputs"}
+    from . import interrupts
+
+    step = interrupts.STEP  # the step an interrupt names (locks and output.write update it too)
+    step["now"] = "checking the inputs"
     cache = cache_dir or None
     try:
         refuse_unused_flags(click.get_current_context())
@@ -207,11 +210,11 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
         click.echo(f"error: {exc.message}\nhint: {exc.hint}", err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt as exc:
-        _interrupted(exc, step["now"])
+        interrupts.say_and_exit(exc)
     except Exception as exc:  # noqa: BLE001 - the one top-level handler: one line, a hint, no traceback
         cause = _interrupt_in_chain(exc)
         if cause is not None:  # a clean-up that failed while an interrupt unwound: the interrupt is the cause
-            _interrupted(cause, step["now"])
+            interrupts.say_and_exit(cause)
         from .errors import describe_unexpected
         from .cache import default_cache_dir
 
@@ -328,9 +331,6 @@ def _out_folder(value: str) -> Path:
     return out
 
 
-_CARRY_SNAPSHOTS: list = []  # temporary folders of carries read from a pipe, removed at exit
-
-
 def _carry_read_once(carry: Optional[Path]) -> Optional[Path]:
     """``carry`` itself when it is a regular file; else (``/dev/stdin``, ``<(...)``, a FIFO) its
     bytes read once, fully, into a private temporary file of the same name, since the run reads
@@ -348,9 +348,10 @@ def _carry_read_once(carry: Optional[Path]) -> Optional[Path]:
     except OSError as exc:
         raise ApplyError(f"cannot read carried patch {carry}: {exc.strerror}",
                          hint="Pass --carry an existing file or a readable pipe.") from exc
-    snap = tempfile.TemporaryDirectory(prefix="gdn-carry-")
-    _CARRY_SNAPSHOTS.append(snap)
-    path = Path(snap.name) / (carry.name or "carry.patch")
+    from . import interrupts
+
+    snap = interrupts.make_folder("gdn-carry-")  # removed at exit (interrupts.finish)
+    path = snap / (carry.name or "carry.patch")
     path.write_bytes(data)
     return path
 
@@ -358,7 +359,7 @@ def _carry_read_once(carry: Optional[Path]) -> Optional[Path]:
 def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, offline, carry, date, release, out,
          allow_pin_mismatch, no_import_check, python, no_trees, dry_run, check, list_hunks, bridge=None,
          mcore_base=None):
-    from . import engine, locks, options as run_options, output
+    from . import engine, interrupts, locks, options as run_options, output
     from .cache import default_cache_dir
 
     carry = _carry_read_once(carry)
@@ -388,12 +389,16 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         opts = options(day)
         say(f"date {opts.date[:4]}-{opts.date[4:6]}-{opts.date[6:]} from {source}")
         build = _build(err, opts, say)
-        import tempfile
-
         step["now"] = "writing the dry-run outputs"
-        scratch = Path(tempfile.mkdtemp(prefix="gdn-backport-dry-"))
+        scratch = interrupts.make_folder("gdn-backport-dry-")  # removed on a failure or an interrupt
+
+        def kept() -> None:  # complete: the user's to read, kept whatever comes next
+            interrupts.keep_folder(scratch)
+            interrupts.committed(f"the dry-run folder {scratch}")
+            step["now"] = "printing the dry-run summary"
+
         t0 = time.perf_counter()
-        written = output.write(build, scratch, trees=False)
+        written = output.write(build, scratch, trees=False, on_commit=kept)
         build.timings["write_s"] = time.perf_counter() - t0
         Console(width=200).print(_summary(build, written, "dry-run"))
         click.echo(f"dry run: outputs in {scratch}; nothing else written (remove that folder when done)")
@@ -454,7 +459,14 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         old_lock = _read_json(out / output.LOCK)
         step["now"] = f"writing the outputs to {out}"
         t0 = time.perf_counter()
-        written = output.write(build, out, trees=not no_trees, warn=lambda msg: click.echo(msg, err=True))
+
+        def committed() -> None:  # the commit point passed: an interrupt from here says the release is in place
+            interrupts.committed(f"{out} (dated {shown})")
+            step["now"] = f"removing the previous outputs from {out / output.TXN}"
+
+        written = output.write(build, out, trees=not no_trees, warn=lambda msg: click.echo(msg, err=True),
+                               on_commit=committed)
+        step["now"] = "printing the summary and the lock's news"
         build.timings["write_s"] = time.perf_counter() - t0
         out_console.print(_summary(build, written, "write"))
         skipped = output.skipped_checks(build.manifest)
@@ -632,32 +644,51 @@ def _interrupt_in_chain(exc: BaseException) -> "KeyboardInterrupt | None":
     return None
 
 
-def _interrupted(exc: KeyboardInterrupt, now: str) -> None:
-    """Exit 143 (SIGTERM) or 130 (^C), naming the step that was cut short."""
-    code = 143 if isinstance(exc, Terminated) else 130
-    click.echo(f"error: {'terminated (SIGTERM)' if code == 143 else 'interrupted'} while {now}\n"
-               "hint: Run the same command again; a switch of outputs cut short is finished or rolled back by "
-               "the next run.", err=True)
-    sys.exit(code)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so that ``finally`` blocks and context managers run (the
-    import check's interpreter is stopped, temporary folders go): exit 143."""
-
-
-def _raise_terminated(_signum, _frame):
-    raise Terminated()
+#: tools/lib/venv_entry.py keeps its start-up signal handlers until main() installs these.
+INSTALLS_SIGNAL_HANDLERS = True
 
 
 def main(argv: Optional[list] = None) -> None:
-    """Entry point of ``tools/backport`` and the ``gdn-backport`` script."""
-    if argv is None:
-        _utf8_file_names()
-    _ascii_safe_streams()
-    import signal
+    """Entry point of ``tools/backport`` and the ``gdn-backport`` script (``argv`` None: the
+    process's own arguments, and it ends the process with ``os._exit``; a list: called inside
+    another program, which gets ``SystemExit`` and its signal handlers back).
 
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    Signals (:mod:`backport.interrupts`): the first SIGINT/SIGTERM stops the run with exit 130/143
+    naming the step; the clean-up runs to its end whatever follows; every temporary folder goes.
+    """
+    if argv is None:
+        _utf8_file_names()  # re-executes in Python's UTF-8 mode where file names need it
+    from . import interrupts
+
+    interrupts.install(protect=(main.__code__,))  # main's own lines below are never cut
+    code: "int | str | None" = 0
+    try:
+        _main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    except KeyboardInterrupt as exc:  # raised outside cli()'s handlers (parsing, printing an error)
+        code, text = interrupts.message(exc)
+        click.echo(text, err=True)
+    late = interrupts.finish()  # no signal raises from here; the temporary folders are gone
+    if late is not None and code in (0, None):  # arrived after the work, before the exit: still reported
+        code, text = interrupts.message(late, f"finishing ({interrupts.STEP['now']})")
+        click.echo(text, err=True)
+    if argv is not None:  # called inside another program (tests): its handlers back, then SystemExit
+        interrupts.restore()
+        sys.exit(code)
+    if code is not None and not isinstance(code, int):  # sys.exit("text"), as Python prints it
+        click.echo(str(code), err=True)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(code or 0)  # the process entry: no interpreter shutdown for a late signal to cut
+
+
+def _main(argv: Optional[list]) -> None:
+    _ascii_safe_streams()
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["annotate"]:  # the one subcommand: the patch with each line's provenance
         from .annotate import main as annotate_main
@@ -670,6 +701,8 @@ def main(argv: Optional[list] = None) -> None:
         click.echo(f"error: {exc.format_message()}\nhint: Run `tools/backport --help` for the flags, then the "
                    "same command again, corrected.", err=True)
         sys.exit(UsageError.exit_code)
-    except click.exceptions.Abort:
-        click.echo("error: interrupted\nhint: Run the same command again.", err=True)
-        sys.exit(130)
+    except click.exceptions.Abort as exc:  # click turns an interrupt outside cli()'s body into Abort
+        from . import interrupts
+
+        cause = _interrupt_in_chain(exc)
+        interrupts.say_and_exit(cause if cause is not None else KeyboardInterrupt())

@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 import filelock
 
+from . import interrupts
 from .cache import default_cache_dir
 from .errors import BusyError, WriteError, oserror_hint
 
@@ -92,9 +93,10 @@ def hold(path: Path, what: str, say: Callable[[str], None] = _say) -> Iterator[N
             raise BusyError(f"{what} is in use by another run ({holder}; lock {path}).",
                             hint="Wait for that run to finish and run the same command again, or drop "
                                  "--no-wait to wait for it.") from None
-        say(f"waiting for {what}: another run holds it ({holder}; lock {path})")
-        t0 = time.monotonic()
-        lock.acquire()
+        with interrupts.during(f"waiting for the lock of {what} ({path}), which another run holds"):
+            say(f"waiting for {what}: another run holds it ({holder}; lock {path})")  # named before it is said
+            t0 = time.monotonic()
+            lock.acquire()
         say(f"… got {what} after {time.monotonic() - t0:.1f} s")
     except OSError as exc:  # the lock's folder is a file, read-only, or on a full disk
         raise _lock_error(exc, path, what) from None

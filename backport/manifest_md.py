@@ -140,7 +140,10 @@ def render_markdown(m: dict) -> str:
     ]
     if "lines_vs_upstream" in m:
         lines += ["", "`added by kind` counts the hunk's added lines by kind; each origin's own split is in "
-                  "brackets (`up` / `ours`). A blank line counts with the nearest line of its origin.", ""]
+                  "brackets (`up` / `ours`). A blank line counts with the nearest line of its origin. An "
+                  "origin's `+A -R` are the lines it put in, added and removed: summed by origin kind they are "
+                  "the run summary's `lines by origin` (added + removed), which is why that row does not equal "
+                  "`added lines by kind`.", ""]
     rows = []
     for f in m["files"]:
         for h in f["hunks"]:

@@ -48,6 +48,7 @@ import sys
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterable, Optional
 
+from . import interrupts
 from .errors import CheckMismatch, OutputLinkError, PipelineError, UsageError, WriteError, oserror_hint
 from .manifest_md import render_markdown
 from .tree import copy_tree
@@ -114,6 +115,9 @@ def lock_data(build) -> dict:
     ``base_tree_sha256`` / ``patched_tree_sha256`` / ``tree_files``: see ``backport.tree_digest``.
     """
     m = build.manifest
+    trees = build.__dict__.get("_tree_lock_fields")  # a tree copy and two digests: computed once per build
+    if trees is None:
+        trees = build.__dict__["_tree_lock_fields"] = tree_lock_fields(build.base_tree, build.patch)
     return {
         "schema": 1,
         "pins": m["pins"],
@@ -121,7 +125,7 @@ def lock_data(build) -> dict:
         "patch": {"name": m["patch"]["name"], "sha256": m["patch"]["sha256"]},
         "manifest_sha256": hashlib.sha256(canonical_json(m)).hexdigest(),
         "date": m["date"],
-        **tree_lock_fields(build.base_tree, build.patch),
+        **trees,
     }
 
 
@@ -377,6 +381,11 @@ def recover(root: Path, on_step: StepHook = None) -> "str | None":
         OutputLinkError: the state folder, or a target the journal names, is a symbolic link
             (nothing done; the journal stays).
     """
+    with interrupts.shielded():  # a signal waits for the end: the disk is then the old set or the new one
+        return _recover(root, on_step)
+
+
+def _recover(root: Path, on_step: StepHook) -> "str | None":
     step = on_step or (lambda _name: None)
     done = []
     refuse_links(root, (TXN + "/journal.json", TXN + "/new", TXN + "/old"))
@@ -440,7 +449,7 @@ def _journal_problem(journal) -> "str | None":
 
 
 def write(build, root: Path, trees: bool = True, on_step: StepHook = None,
-          warn: Callable[[str], None] = _stderr) -> list[Path]:
+          warn: Callable[[str], None] = _stderr, on_commit: Optional[Callable[[], None]] = None) -> list[Path]:
     """Write all outputs under ``root`` all at once; return the written paths.
 
     Stages everything under ``root/build/.gdn/txn/new``, writes the journal, switches the
@@ -456,6 +465,13 @@ def write(build, root: Path, trees: bool = True, on_step: StepHook = None,
         on_step: called with a step name after each step that changes the disk (tests).
         warn: where the warning line about files in ``build/tree/*`` that the tool did not
             write goes (stderr by default); it comes before the switch.
+        on_commit: called once the new outputs are complete and in place (the CLI's interrupt
+            message then says so).
+
+    Signals (:mod:`backport.interrupts`): one that arrives while staging removes the staging
+    folder (nothing was switched in); from the journal to the removal of ``txn/`` (the switch,
+    the commit point, the old outputs' removal) a signal is held and raised after it, so an
+    interrupted run leaves exactly the old set or exactly the new set, and no ``txn/``.
 
     Raises:
         OutputLinkError: an output path, or a folder on the way to one, is a symbolic link
@@ -511,6 +527,26 @@ def write(build, root: Path, trees: bool = True, on_step: StepHook = None,
         if isinstance(exc, PipelineError):
             raise
         raise _write_error(exc, doing, "nothing was switched in; the previous outputs are untouched") from exc
+    except KeyboardInterrupt:  # cut while staging: nothing was switched in; the staging goes, whole
+        with interrupts.shielded():
+            shutil.rmtree(txn, ignore_errors=True)
+        raise
+    with interrupts.shielded():  # renames only, then the old outputs' removal: never cut half way
+        _switch(root, txn, new, files, targets, journal, step)
+        if on_commit is not None:
+            on_commit()
+        try:
+            shutil.rmtree(txn)
+            step("remove the journal")
+        except OSError:
+            pass  # committed; the next run removes what is left
+    return [root / rel for rel in files] + ([root / t for t in TREES] if trees else [])
+
+
+def _switch(root: Path, txn: Path, new: Path, files: dict, targets: list, journal: dict, step) -> None:
+    """Switch the staged outputs in and commit (replace the lock); on a file system error roll
+    back and raise :class:`WriteError` naming the step."""
+    doing = "switching in the outputs"
     try:
         for rel in targets:
             doing = f"switching in {rel}"
@@ -530,12 +566,6 @@ def write(build, root: Path, trees: bool = True, on_step: StepHook = None,
             state = (f"the roll-back failed too ({again.strerror}: {again.filename}); the next run finishes "
                      f"it from the journal in {txn}")
         raise _write_error(exc, doing, state) from exc
-    try:
-        shutil.rmtree(txn)
-        step("remove the journal")
-    except OSError:
-        pass  # committed; the next run removes what is left
-    return [root / rel for rel in files] + ([root / t for t in TREES] if trees else [])
 
 
 def _write_error(exc: BaseException, doing: str, state: str) -> WriteError:

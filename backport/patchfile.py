@@ -4,14 +4,13 @@ and every hunk of it attributed to the recipe step or carried hunk its lines cam
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Optional
 
 from unidiff import PatchSet
 
+from . import interrupts
 from .errors import ApplyError
 from .upstream_lines import line_class
 from .gitenv import isolated
@@ -27,7 +26,7 @@ GIT_ENV = {
 
 def _git(cwd: Path, *args: str) -> str:
     env = isolated(GIT_ENV)
-    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, encoding="utf-8").stdout
+    return interrupts.run_child(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, encoding="utf-8").stdout
 
 
 def file_mode(path: Path) -> Optional[str]:
@@ -57,8 +56,7 @@ def make_patch(files: list, header: str, base_tree: Path) -> str:
         if mode:
             path.chmod(0o755 if mode == "100755" else 0o644)
 
-    with tempfile.TemporaryDirectory(prefix="gdn-diff-") as tmp:
-        root = Path(tmp)
+    with interrupts.temporary_folder("gdn-diff-") as root:  # removed whole, a signal or not
         _git(root, "init", "-q")
         base_modes = {f.path: f.base_mode or (file_mode(base_tree / f.path) if f.exists_in_base else None)
                       for f in files}
@@ -74,7 +72,7 @@ def make_patch(files: list, header: str, base_tree: Path) -> str:
                 (root / f.path).unlink()
         _git(root, "add", "-A")
         env = isolated(GIT_ENV)
-        diff = subprocess.run(["git", "-c", "core.filemode=true", "-c", "core.quotepath=false", "diff", "--cached", "--no-color", "--no-renames",
+        diff = interrupts.run_child(["git", "-c", "core.filemode=true", "-c", "core.quotepath=false", "diff", "--cached", "--no-color", "--no-renames",
                                "--no-ext-diff", "--full-index", "-U3", "--src-prefix=a/", "--dst-prefix=b/"],
                               cwd=root, env=env, check=True, capture_output=True).stdout.decode("utf-8")
     return header + diff

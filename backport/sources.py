@@ -22,7 +22,6 @@ import io
 import os
 import re
 import shutil
-import subprocess
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Callable, Optional
 
 import git
 
-from . import locks
+from . import interrupts, locks
 from .cache import default_cache_dir  # noqa: F401 - re-exported: the cache location's old home
 from .errors import CacheDamaged, PinError, SourceError
 from .gitenv import isolate_gitpython, isolated
@@ -252,13 +251,13 @@ def cache_damage(repo: git.Repo) -> Optional[str]:
     if found:
         return found
     env = isolated()
-    refs = subprocess.run(["git", "--git-dir", repo.git_dir, "for-each-ref", "--format=%(objectname) %(refname)"],
+    refs = interrupts.run_child(["git", "--git-dir", repo.git_dir, "for-each-ref", "--format=%(objectname) %(refname)"],
                           capture_output=True, env=env)
     words = " ".join(refs.stderr.decode("utf-8", "replace").split())[:400]
     if refs.returncode != 0 or words:
         return f"its refs cannot be read (a half-written ref?): `git for-each-ref` said: {words or refs.returncode}"
     pairs = [line.split(" ", 1) for line in refs.stdout.decode("utf-8", "replace").splitlines() if " " in line]
-    objs = subprocess.run(["git", "--git-dir", repo.git_dir, "cat-file", "--batch-check"], capture_output=True,
+    objs = interrupts.run_child(["git", "--git-dir", repo.git_dir, "cat-file", "--batch-check"], capture_output=True,
                           env=env, input="".join(f"{sha}\n" for sha, _ref in pairs).encode())
     words = " ".join(objs.stderr.decode("utf-8", "replace").split())[:400]
     if objs.returncode != 0 or words:
@@ -428,7 +427,7 @@ def _unreadable_cache(name: str, cache: Path, location: str, offline: bool = Fal
     """The error for a cache entry git does not take for a repository at all (HEAD or objects/
     damaged or gone, a config it cannot parse), quoting git's own words (``git rev-parse
     --git-dir`` there)."""
-    proc = subprocess.run(["git", "-C", str(cache), "rev-parse", "--git-dir"], capture_output=True,
+    proc = interrupts.run_child(["git", "-C", str(cache), "rev-parse", "--git-dir"], capture_output=True,
                           env=isolated({"GIT_CEILING_DIRECTORIES": str(cache.parent)}))
     words = " ".join(proc.stderr.decode("utf-8", "replace").split())[:400] or "GitPython does not open it"
     what = "it is not a git repository any more" if "not a git repository" in words or proc.returncode == 0 \

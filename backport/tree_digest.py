@@ -128,16 +128,15 @@ def lock_fields(base_root: Path, patch: bytes) -> dict:
     Raises:
         VerificationError: the patch does not apply cleanly.
     """
-    import tempfile
-
+    from .interrupts import temporary_folder
     from .tree import copy_tree
     from .verify import apply_patch
 
     base = listing(Path(base_root))
-    with tempfile.TemporaryDirectory(prefix="gdn-tree-digest-") as tmp:
-        copy_tree(Path(base_root), Path(tmp))
-        apply_patch(Path(tmp), patch, dry_run=False)
-        patched = listing(Path(tmp))
+    with temporary_folder("gdn-tree-digest-") as tmp:  # removed whole, a signal or not
+        copy_tree(Path(base_root), tmp)
+        apply_patch(tmp, patch, dry_run=False)
+        patched = listing(tmp)
     base_ids, patched_all = file_ids(base), file_ids(patched)
     changes = {rel: patched_all.get(rel) for rel in sorted(set(base_ids) | set(patched_all))
                if base_ids.get(rel) != patched_all.get(rel)}

@@ -14,14 +14,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 from unidiff import PatchSet
 
+from . import interrupts
 from .errors import VerificationError
 from .gitpath import patch_path
 from .recipe import UpstreamFile
@@ -80,7 +79,7 @@ def apply_patch(tree: Path, patch: bytes, dry_run: bool) -> str:
     args = ["patch", "-p1", "--fuzz=0", "--batch", "--forward", "--no-backup-if-mismatch", "-r", "-"]
     if dry_run:
         args.append("--dry-run")
-    proc = subprocess.run(args, cwd=tree, input=patch, capture_output=True)
+    proc = interrupts.run_child(args, cwd=tree, input=patch, capture_output=True)
     out = (proc.stdout + proc.stderr).decode(errors="replace")
     if proc.returncode != 0:
         _fail("applies", f"GNU patch exited {proc.returncode}: {out.strip()[-600:]}")
@@ -102,11 +101,11 @@ class VerifyTree:
     """
 
     def __init__(self, patch_text: str, run, recipe, opts):
-        self._tmp = tempfile.TemporaryDirectory(prefix="gdn-verify-")
-        self.tree = Path(self._tmp.name) / "t"
         self.proc: "subprocess.Popen | None" = None
         self._out = self._err = None
         self.apply_error: "VerificationError | None" = None
+        self._dir = interrupts.make_folder("gdn-verify-")  # registered: removed at exit at the latest
+        self.tree = self._dir / "t"
         try:  # an interrupt before the caller's ``with`` holds this object must not leak its child or folder
             self._start(patch_text, run, recipe, opts)
         except BaseException:
@@ -121,20 +120,16 @@ class VerifyTree:
             self.apply_error = exc
             return
         if opts.import_check:
-            out_dir = Path(self._tmp.name)
-            self._out = open(out_dir / "import.out", "w+", encoding="utf-8")
-            self._err = open(out_dir / "import.err", "w+", encoding="utf-8")
-            # SIGTERM/SIGINT held while the child starts: raised inside Popen (after the fork), the
-            # handler's exception would lose the only handle on a running child.
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-            try:
+            self._out = open(self._dir / "import.out", "w+", encoding="utf-8")
+            self._err = open(self._dir / "import.err", "w+", encoding="utf-8")
+            # Shielded while the child starts: raised inside Popen (after the fork), an interrupt
+            # would lose the only handle on a running child. A held signal is raised after it.
+            with interrupts.shielded():
                 self.proc = subprocess.Popen(
                     [opts.python, "-W", "ignore", "-c", PROBE, *recipe.import_check], cwd=self.tree,
                     stdout=self._out, stderr=self._err, encoding="utf-8",
                     env={**os.environ, "PYTHONPATH": str(self.tree), "PYTHONDONTWRITEBYTECODE": "1",
                          "CUDA_VISIBLE_DEVICES": ""})
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a held signal is raised from here
 
     def import_result(self, timeout_s: float) -> "tuple[int, str, str]":
         """``(exit code, stdout, stderr)`` of the import check, waiting at most ``timeout_s`` seconds.
@@ -148,13 +143,16 @@ class VerifyTree:
         return rc, self._out.read(), self._err.read()
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for f in (self._out, self._err):
-            if f is not None:
-                f.close()
-        self._tmp.cleanup()
+        """Stop an unfinished import check (SIGKILL, then wait for it) and remove the folder, whole:
+        no signal cuts this (:func:`backport.interrupts.shielded`)."""
+        with interrupts.shielded():
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            for f in (self._out, self._err):
+                if f is not None:
+                    f.close()
+            interrupts.remove_folder(self._dir)
 
     def __enter__(self) -> "VerifyTree":
         return self

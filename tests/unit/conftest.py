@@ -20,6 +20,17 @@ import pytest
 import yaml
 
 DATA = Path(__file__).resolve().parent / "data"
+
+
+def default_signals() -> None:
+    """``preexec_fn`` of every child a test sends a signal to: SIGINT and SIGTERM at their default
+    disposition, whatever the test run inherited (``nohup``, ``&`` in a non-interactive shell and
+    ``trap "" INT`` start it with SIGINT ignored, and a child inherits an ignored disposition: the
+    tool, honouring it, would never see the test's ^C)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 #: ``--python`` for runs that must run every check (a lock is written only then): see data/stub_python
 STUB_PYTHON = str(DATA / "stub_python")
 

@@ -237,3 +237,63 @@ def _inline_commands() -> list:
 @pytest.mark.parametrize("page, cmd", _inline_commands())
 def test_inline_command_writes_nothing_tracked(page, cmd):
     test_shell_example_writes_nothing_tracked(page, 0, cmd)
+
+
+def _image_builds() -> list:
+    """Every example block that runs ``tools/image build`` or ``gate`` (with the block's text)."""
+    return [pytest.param(page, line, text, id=f"{page.relative_to(REPO)}:{line}")
+            for page in PAGES for line, lang, text in blocks(page)
+            if lang == "sh" and re.search(r"tools/image (build|gate)\b", text)]
+
+
+#: ``tools/image`` flag -> the output of ``tools/backport --out OUT`` it reads (backport.output's layout).
+IMAGE_INPUTS = {"--tree": "build/tree/base", "--patch": "patches/latest/megatron.patch",
+                "--manifest": "patches/latest/manifest.json", "--tree-lock": "manifests/lock.json"}
+
+
+@pytest.mark.parametrize("page, line, text", _image_builds())
+def test_image_build_examples_use_real_flags_and_the_outputs_of_their_backport_run(page, line, text):
+    """The "build the image from a carry or a retarget" commands cannot rot: each flag is one of
+    ``tools/image build``'s (read from the click definition), and a block that first runs
+    ``tools/backport --out OUT`` points every input flag at the file that run writes there."""
+    from backport import output
+    from image_pipeline.cli import cli as image_cli
+
+    assert set(IMAGE_INPUTS.values()) <= {output.TREES[0], *output.FIXED_PATHS}  # the layout is backport's
+    out = None
+    for cmd in commands(text):
+        words = shlex.split(cmd)
+        if words[:1] == ["tools/backport"] and "--out" in words:
+            out = words[words.index("--out") + 1]
+        if words[:2] not in (["tools/image", "build"], ["tools/image", "gate"]):
+            continue
+        sub = image_cli.commands[words[1]]
+        known = {o for p in sub.params for o in p.opts}
+        used = [w for w in words[2:] if w.startswith("--")]
+        assert set(used) <= known, f"{page.name}:{line}: `{cmd}` uses flags tools/image {words[1]} lacks: " \
+                                   f"{sorted(set(used) - known)}"
+        if out is None:
+            continue
+        for flag, rel in IMAGE_INPUTS.items():
+            assert flag in words, f"{page.name}:{line}: `{cmd}` builds from {out} but gives no {flag}"
+            assert words[words.index(flag) + 1] == f"{out}/{rel}", \
+                f"{page.name}:{line}: {flag} must be {out}/{rel}, the file `tools/backport --out {out}` writes"
+
+
+def test_the_readme_goes_from_a_carried_patch_to_an_image_in_one_command():
+    """Issue 45: one line takes a carried patch to a built image (and names the doc for the rest)."""
+    one = [cmd for _line, lang, text in blocks(REPO / "README.md") if lang == "sh" for cmd in [text]
+           if "--carry" in text and "tools/image build" in text and "\n" not in text.strip()]
+    assert one, "README.md: no one-line example from `tools/backport --carry` to `tools/image build`"
+    assert "Build the image from a carry or a retarget" in (REPO / "docs/image-build-and-gate.md").read_text()
+
+
+def test_results_readmes_name_what_their_figures_cover_not_how_they_were_made():
+    """A results page names patches, dates and devices; "session 3" says nothing to its reader
+    (issue 45). Code spans (file names such as ``session3-calls.md``) are left out."""
+    found = []
+    for page in sorted(REPO.glob("results/**/README.md")):
+        prose = re.sub(r"`[^`\n]*`", "", page.read_text(encoding="utf-8"))
+        found += [f"{page.relative_to(REPO)}:{n}: {line.strip()[:80]}"
+                  for n, line in enumerate(prose.splitlines(), 1) if re.search(r"\bsessions?\b", line, re.I)]
+    assert not found, found

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from backport import engine, output
 from backport.cli import cli
 
-from conftest import STUB_PYTHON, git_diff, recipe_data, write_recipe
+from conftest import STUB_PYTHON, default_signals, git_diff, recipe_data, write_recipe
 
 pytestmark = pytest.mark.usefixtures("engine_env")
 REPO = Path(__file__).resolve().parents[2]
@@ -206,12 +206,13 @@ def test_busy_is_15_and_interrupted_is_130(base_args, tmp_path):
         assert_error_lines(busy.stderr, "is in use by another run")
         assert "--no-wait" in readme_table()[15]
         waiting = subprocess.Popen([sys.executable, str(REPO / "tools/backport"), *base_args],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=default_signals)  # SIGINT handled, even if this run ignores it
         assert waiting.stderr.readline().startswith("waiting for the output folder")
         waiting.send_signal(signal.SIGINT)
         _, err = waiting.communicate(timeout=60)
         assert waiting.returncode == 130
-        assert_error_lines(err, "interrupted while taking the lock of the output folder")
+        assert_error_lines(err, "interrupted while waiting for the lock of the output folder")
         assert "interrupted" in readme_table()[130]
     finally:
         holder.communicate("go\n", timeout=30)
@@ -408,7 +409,7 @@ def test_sigterm_during_the_import_check_exits_143_and_leaves_no_child(tmp_path,
     args = [a if a != STUB_PYTHON else str(hang) for a in base_args]
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, str(REPO / "tools/backport"), *args], stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True, env=env)
+                            stdout=subprocess.DEVNULL, text=True, env=env, preexec_fn=default_signals)
     for _ in range(600):
         if marker.exists() and marker.read_text().strip():
             break

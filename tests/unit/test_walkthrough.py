@@ -55,3 +55,20 @@ def test_the_patched_config_has_the_fields_and_the_example_names_exist():
     assert "build_cp_context" in gdn and "def tensor_a2a_cp2hp(" in gdn
     assert "def plan_linear_cp(" in gcp and "def gather_zigzag_sequence(" in gcp
     assert "gdn_context_parallel.plan_linear_cp(" in gdn  # looked up at call time: the counter sees it
+
+
+def test_the_gpu_entry_refuses_a_host_without_a_gpu_with_exit_2():
+    """Issue 45: ``walkthrough_gpu_entry.py`` divided by the GPU count (ZeroDivisionError) where torch
+    sees none; it now refuses before any process group, naming the CPU entry."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(REPO / "tests/image/gpu/walkthrough_gpu_entry.py")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2, proc.stderr[-800:]
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-2].startswith("error: ") and "needs a CUDA GPU" in lines[-2]
+    assert lines[-1].startswith("hint: ") and "walkthrough_cpu_entry.py" in lines[-1]
