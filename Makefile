@@ -139,6 +139,19 @@ WHEEL_DL = $(PY) -m pip download -q --no-deps --only-binary=:all: --python-versi
 
 wheels: .whl/fla042/.ok .whl/fla041/.ok  ## FLA 0.4.2 (patched tree) and 0.4.1 (base tree) wheels for the GPU host.
 
+# The other FLA sets for GDN_FLA_SET=0.5.2 / 0.6.0 (tools/gpu-suite, tools/gpu-fla-sweep); 0.6.0 is
+# fla-core alone, as in its image lock. Their triton 3.7.1 is carried apart (docs/gpu.md).
+.whl/fla052/.ok: | venv
+	$(WHEEL_DL) -d .whl/fla052 flash-linear-attention==0.5.2 fla-core==0.5.2
+	touch $@
+
+.whl/fla060/.ok: | venv
+	$(WHEEL_DL) -d .whl/fla060 fla-core==0.6.0
+	touch $@
+
+.PHONY: wheels-fla-sets
+wheels-fla-sets: .whl/fla052/.ok .whl/fla060/.ok  ## FLA 0.5.2 and 0.6.0 wheels for the GPU host (GDN_FLA_SET).
+
 gpu-bundle: wheels  ## dist/gdn-gpu-bundle.tgz: repo, both trees, patch, wheels, Triton caches.
 	tools/gpu-bundle
 

@@ -11,11 +11,11 @@ same arguments and honour the same contract, computed by the independent eager o
 * ``chunk_gated_delta_rule(q, k, v, g, beta, ..., cu_seqlens, cp_context=...)`` -> ``(o, None)``.
 * ``l2norm(x)``.
 
-The conv and the scan take only the parameters FLA 0.4.2 and 0.5.2 both accept, and those
-that moved in 0.5.1 (everything past ``beta`` / ``bias``) by keyword only; a call that passes
+The conv and the scan take only the parameters FLA 0.4.2, 0.5.2 and 0.6.0 all accept, and those
+that moved in 0.5.1 and 0.6.0 (everything past ``beta`` / ``bias``) by keyword only; a call that passes
 one positionally, or a keyword only one release knows (``transpose_state_layout``,
 ``state_v_first``, ``head_first``), fails here with a ``TypeError`` (docs/fla-versions.md).
-The numbers come from the eager oracle, not from either release's kernels.
+The numbers come from the eager oracle, not from any release's kernels.
 
 With a context, the local shard is all-gathered (autograd-aware: backward all-reduces the
 full-sequence gradient and keeps this rank's span), the op runs on the whole packed

@@ -22,19 +22,20 @@ and Megatron run as shipped. What is shimmed, and why:
     ``i_t.to(tl.int64)`` fails; the shim extends the interpreter's AST rewrite (which already
     wraps every assignment in ``interpreter_semantic.to_tensor``) to rebind each ``for``
     target the same way at the top of the loop body.
+(d) gloo's all-gather shape: ``fla_gloo.install()`` (its own module; installed by the
+    tier's gloo workers, not here).
 (e) FLA 0.6.0 only: ``fla.ops.cp.context._check_cp_device`` raises for any tensor that is not on
     an NVIDIA GPU of compute capability >= 8 (or Ascend) before every CP kernel ("CP affine chains
     require NVIDIA Ampere or newer"), because its CP merge dots run in ``tf32x3``. The shim lets
-    CPU tensors through (the interpreter computes those dots in float32 numpy) and keeps the
+    CPU tensors through (the interpreter ignores a dot's input precision) and keeps the
     check for every other device; it replaces the function in each ``fla.ops.cp`` module that
     imported it by name (``chunk_fwd``, ``chunk_bwd``, ``chunk_delta_h``, ``chunk_merge``).
-(d) gloo's all-gather shape: ``fla_gloo.install()`` (its own module; installed by the
-    tier's gloo workers, not here).
 
 Each FLA release the tier runs on has its own entry in :data:`RELEASES`: the triton and numpy it
 was checked with and the shims it needs. FLA 0.5.2 and 0.6.0 (triton 3.7.1) need (b) and (c2),
-0.6.0 also (e): their ``custom_device_ctx`` already returns a null context for a CPU tensor (device index
-``None``), and triton 3.7.1's ``__index__`` converts through ``squeeze()`` (the fix of (c1)).
+0.6.0 also (e): their ``custom_device_ctx`` already returns a null context for a CPU tensor
+(device index ``None``), triton 3.7.1's ``__index__`` converts through ``squeeze()`` (the fix of
+(c1)), and its interpreter still has no ``visit_For`` (read in ``triton/runtime/interpreter.py``).
 :func:`install` raises ``RuntimeError`` on a release or version outside that table, naming what
 to re-check, so a version bump fails loudly instead of silently running different code.
 """
@@ -46,6 +47,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from typing import Tuple
+
 
 @dataclass(frozen=True)
 class Release:

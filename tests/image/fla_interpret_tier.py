@@ -282,6 +282,8 @@ def _worker(rank, world, out_prefix, select):
 
         if select(f"oracle/{name}") or name in needed:
             guarded(f"oracle/{name}", "oracle", ref_and_oracle)
+        else:  # --only left the oracle item out: the CP items still need the reference
+            refs[name] = H.run_layer(build(1, "headwise", single), x, G, _psp(c))
     gathered = [None] * world
     dist.all_gather_object(gathered, refs)
     refs = {k: v for part in gathered for k, v in part.items()}

@@ -9,7 +9,8 @@ Gates: ``kernel_oracle.GATE`` (normalized RMS 2e-3 float32, 5e-2 bf16; the #640 
 sets the time; each case runs in its own process (``--procs`` at a time, all on GPU 0) with
 the suite's autotune policy (``autotune_policy``: first config that runs). With
 ``TRITON_INTERPRET=1 GDN_FLA_SWEEP_DEVICE=cpu`` the same cases run on CPU under Triton's
-interpreter (``fla_interpret``'s shims), a dry run of the harness with tiny ``--dims``.
+interpreter (``fla_interpret``'s shims), a dry run of the harness with tiny ``--dims`` (the
+interpreter's bf16 is not FLA's: only its float32 figures mean anything there).
 
     python tests/image/gpu/fla_sweep.py --out DIR [--dims "32 64 100 128 256 64x128"] [--procs N]
 
@@ -131,7 +132,7 @@ def markdown(summary: dict) -> str:
     lines = [f"# FLA {h['fla']} + triton {h['triton']}: kernel oracle across head dims",
              "",
              f"Covers `chunk_gated_delta_rule` (no CP) against the float64 oracle on {', '.join(h['gpus']) or 'no GPU'} "
-             f"(sm{''.join(map(str, h['capability'] or []))}), torch {h['torch']}, FLA {h['fla']}, triton {h['triton']}, "
+             f"({'sm' + ''.join(map(str, h['capability'])) if h['capability'] else 'no GPU'}), torch {h['torch']}, FLA {h['fla']}, triton {h['triton']}, "
              f"float32 dots {h['triton_f32_default']}, autotune {h['autotune']}; 4 heads, T = {T}, packed = {PACKED}; "
              f"normalized RMS, gates 2e-3 (float32) and 5e-2 (bf16). Date {summary['date']}.",
              "",
