@@ -453,8 +453,7 @@ def _thd_cu_seqlens_sources(packed_seq_params):
 def _tensor_stamp(tensor: torch.Tensor) -> tuple:
     # What identifies the values of ``tensor`` without reading them (no device sync): the
     # object, its in-place version counter, and its view (device, dtype, data pointer, shape,
-    # strides, storage offset). Inference tensors keep no version counter (None: never
-    # reused).
+    # strides, storage offset). Inference tensors keep no version counter (None).
     try:
         version = tensor._version
     except RuntimeError:
@@ -471,9 +470,12 @@ def _tensor_stamp(tensor: torch.Tensor) -> tuple:
     )
 
 
-def _same_stamp(made: tuple, now: tuple) -> bool:
+def _same_stamp(made: tuple, now: tuple, unversioned_ok: bool = False) -> bool:
     # The tensor is compared by identity: == on tensors would compare (and sync on) values.
-    return made[0] is now[0] and made[1] is not None and made[1:] == now[1:]
+    # Inference tensors (torch.inference_mode) keep no version counter (None): they match only
+    # when ``unversioned_ok`` (finalized metadata: identity and view, the finalize-after-the-
+    # last-write contract), else never (a layer's own metadata is rebuilt, as it cannot tell).
+    return made[0] is now[0] and (made[1] is not None or unversioned_ok) and made[1:] == now[1:]
 
 
 def _cp_key(cp_group: Optional[dist.ProcessGroup]) -> tuple:
@@ -547,6 +549,20 @@ class PackedSeqMetadata:
         if cu_seqlens_cpu is not None:
             host_q = _given_host_cu_seqlens(cu_seqlens_cpu, name_q, cu_q)
             host_kv = host_q
+            for name, tensor in ((name_q, cu_q), (name_kv, cu_kv)):
+                # free to compare where the boundaries live on the host; on a device, trusted
+                differs = tuple(tensor.shape) != tuple(host_q.shape) or (
+                    tensor.device.type == "cpu"
+                    and not torch.equal(tensor.detach().to(torch.long), host_q.to(torch.long))
+                )
+                if differs:
+                    raise LinearCPError(
+                        f"cu_seqlens_cpu={host_q.tolist()[:16]} is not the host copy of "
+                        f"PackedSeqParams.{name} (shape {tuple(tensor.shape)}"
+                        + (f", values {tensor.tolist()[:16]}" if tensor.device.type == "cpu" else "")
+                        + "). Pass the host copy as it is after the last change to the micro-batch "
+                        "(q and kv alike), or leave cu_seqlens_cpu out (one device->host copy)."
+                    )
         elif cu_kv is cu_q:
             (host_q,) = _copy_cu_seqlens_to_host([cu_q])
             host_kv = host_q
@@ -564,6 +580,12 @@ class PackedSeqMetadata:
         self.host_q, self.host_kv = host_q, host_kv
         self.finalized = finalized
         self.total_tokens = int(host_q[-1])
+        if self.total_tokens == 0:
+            raise LinearCPError(
+                f"PackedSeqParams.{name_q}={host_q.tolist()[:16]}: a packed micro-batch without "
+                "tokens (every segment empty); FLA's kernels cannot run on it. Drop empty "
+                "micro-batches before the model."
+            )
         self._stamps = (_tensor_stamp(cu_q), _tensor_stamp(cu_kv))
         self._cp = _cp_key(cp_group)
         keep = torch.ones(host_q.numel(), dtype=torch.bool)
@@ -597,7 +619,9 @@ class PackedSeqMetadata:
         if tuple(name for name, _ in sources) != self.names:
             return False
         for (_, tensor), made in zip(sources, self._stamps):
-            if not isinstance(tensor, torch.Tensor) or not _same_stamp(made, _tensor_stamp(tensor)):
+            if not isinstance(tensor, torch.Tensor) or not _same_stamp(
+                made, _tensor_stamp(tensor), unversioned_ok=self.finalized
+            ):
                 return False
         for (_, tensor), host in zip(sources, (self.host_q, self.host_kv)):
             if tensor.device.type == "cpu" and not torch.equal(

@@ -306,6 +306,56 @@ def test_inference_tensors_are_never_reused():
     assert calls == [1, 1]
 
 
+def test_finalized_inference_tensors_are_read_not_rebuilt():
+    """A finalized micro-batch of inference tensors (no version counter) is matched by identity
+    and view: the layers make no copy and give no stale warning (finalize after the last write)."""
+    need_tree()
+    import warnings
+
+    import torch
+
+    from megatron.core.ssm.gdn_context_parallel import finalize_packed_seq_params, packed_seq_metadata
+
+    with torch.inference_mode():
+        psp = _psp()
+    finalize_packed_seq_params(psp)
+    with count_host_copies() as calls, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            assert packed_seq_metadata(psp, 256) is psp.gdn_packed_metadata
+    assert calls == [] and not caught
+
+
+def test_cu_seqlens_cpu_that_is_not_the_host_copy_is_refused():
+    """cu_seqlens_cpu= is compared where that is free (host tensors, and every shape): values
+    other than q's, or a kv of another shape or values, are refused naming cu_seqlens_cpu."""
+    need_tree()
+    import torch
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.ssm.gdn_context_parallel import LinearCPError, finalize_packed_seq_params
+
+    t = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(LinearCPError, match="cu_seqlens_cpu=.*not the host copy of PackedSeqParams.cu_seqlens_q"):
+        finalize_packed_seq_params(_psp((0, 16, 40, 64)), cu_seqlens_cpu=t(0, 32, 48, 64))
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=t(0, 16, 64), cu_seqlens_kv=t(0, 8, 16, 64))
+    with pytest.raises(LinearCPError, match="cu_seqlens_kv"):
+        finalize_packed_seq_params(psp, cu_seqlens_cpu=t(0, 16, 64))
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=t(0, 16, 64), cu_seqlens_kv=t(0, 8, 64))
+    with pytest.raises(LinearCPError, match="cu_seqlens_kv"):
+        finalize_packed_seq_params(psp, cu_seqlens_cpu=t(0, 16, 64))
+    finalize_packed_seq_params(_psp((0, 16, 40, 64)), cu_seqlens_cpu=t(0, 16, 40, 64))
+
+
+@pytest.mark.parametrize("cu", [(0, 0), (0, 0, 0)])
+def test_a_micro_batch_of_empty_segments_only_is_refused_as_such(cu):
+    need_tree()
+    from megatron.core.ssm.gdn_context_parallel import LinearCPError, finalize_packed_seq_params
+
+    with pytest.raises(LinearCPError, match="without tokens"):
+        finalize_packed_seq_params(_psp(cu))
+
+
 @contextlib.contextmanager
 def _as_if_on_a_gpu():
     """Every tensor reports ``cuda:0`` as its device (its memory stays on the host), and the
