@@ -51,6 +51,7 @@ REFUSALS = {
     "non-utf8": "content that is not UTF-8",
     "twice": "the same file changed twice in one patch",
     "empty-file": "creating or deleting an empty file (no hunk GNU patch could reproduce)",
+    "only-in": "a diff -r 'Only in' line: a file on one side only, which diff -r without -N leaves out of the patch",
     "git-apply-differs": "git apply places or refuses a hunk differently",
 }
 _PATH_HINT = ("Make the carried patch with `git diff` inside the tree root (paths a/megatron/...); no '..', "
@@ -307,6 +308,27 @@ def _parse_error(path: Path, lines: list, exc: Exception) -> ApplyError:
              "or regenerate the carried patch with `git diff` against the pinned base.")
 
 
+_ONLY_IN = re.compile(r"^Only in (.+?): (.+?)\r?\n?$")
+
+
+def _only_in(lines: list) -> Optional[tuple]:
+    # `diff -r` (without -N) reports a file present on one side only as "Only in <dir>: <name>"
+    # and writes no hunk for it: git apply and GNU patch skip the line, so the file would be
+    # silently missing from the carry. A hunk line always starts with ' ', '+', '-' or '\\', and
+    # git never writes such a line: a patch with a `diff --git` line (git diff, format-patch mail,
+    # whose message may say anything) is not looked at. Returns (tree path as the message names
+    # it, dir, name) of the first such line, else None.
+    if any(line.startswith("diff --git ") for line in lines):
+        return None
+    for line in lines:
+        found = _ONLY_IN.match(line)
+        if found:
+            folder, name = found.group(1), found.group(2)
+            tree = folder.split("/", 1)[1] if "/" in folder else ""
+            return ((tree + "/" if tree else "") + name, folder, name)
+    return None
+
+
 def load_carry(path: Path) -> Carry:
     """Parse ``path`` and refuse what the tool does not apply exactly as ``git apply``.
 
@@ -315,7 +337,8 @@ def load_carry(path: Path) -> Carry:
     hunks (a hunk without context is accepted only when it replaces lines from the file start); paths without
     ``a/``/``b/`` prefixes; quoted names that are malformed, not UTF-8 or hold a control
     character; ``---``/``+++`` naming two files without rename/copy lines; non-UTF-8 text; one
-    file changed twice; creating or deleting an empty file.
+    file changed twice; creating or deleting an empty file; a ``diff -r`` "Only in" line (a file
+    the patch silently leaves out).
 
     Raises:
         ApplyError: unreadable or unparsable; CarryRefused as above.
@@ -332,6 +355,11 @@ def load_carry(path: Path) -> Carry:
         raise CarryRefused(path, path.name, "not-a-patch", "it is empty",
                            hint="Pass a patch made with `git diff` against the pinned base, or drop --carry.")
     lines, notes = _for_unidiff(split_lines(text))
+    only_in = _only_in(lines)
+    if only_in:
+        raise CarryRefused(path, only_in[0], "only-in", f"'Only in {only_in[1]}: {only_in[2]}'", hint=(
+            "Make the carried patch with `diff -ruN` (new and deleted files become hunks) or `git diff`; "
+            "or, if the file is not meant to be carried, delete the 'Only in' line."))
     try:
         patch = PatchSet(lines)
     except Exception as exc:  # unidiff raises its own parse errors

@@ -374,7 +374,8 @@ def _run(err, step, upstream, recipe, megatron_lm, megatron_bridge, cache_dir, o
         )
 
     def say(msg: str) -> None:
-        step["now"] = msg
+        if not msg.startswith("warning: "):  # a warning on the way is no step an interrupt could name
+            step["now"] = msg
         err.print(f"[dim]… {msg}[/dim]", highlight=False)
 
     # Inputs first (before any lock or work): flags, --date/SOURCE_DATE_EPOCH, --python.
