@@ -362,7 +362,6 @@ def _build_stack(mode, cp, group, groups, layers, seed=100):
 
 def _run_stack(stack, x, G, psp, recompute=False):
     """Forward (residual stack) + backward of ``sum(out * G)``: out, dx, every param grad."""
-    import torch
     from torch.utils.checkpoint import checkpoint
 
     for m in stack:
@@ -438,7 +437,6 @@ def _count_delta(before):
 def _reuse_item(kind, variant, stack, group, bcast_group, x, G, refs):
     """One micro-batch of PACK_A, the loader's write for the next one, then that micro-batch.
     Returns a JSON-able record of the second micro-batch."""
-    import torch
     import torch.distributed as dist
 
     import fla_emulation
@@ -589,7 +587,7 @@ def test_every_reuse_kind_equals_a_fresh_packed_seq_params(gloo_world, cp, kind)
 # multiple of 2*CP for CP <= 4.
 STACK_PADDED = (0, 16, 16, 48, 64, 64)
 STACK_VALID = (14, 0, 29, 12, 0)
-STACK_SEQ_LENS = (16, 32, 16)  # the same layout without the empty segments
+STACK_SEQ_LENS_CU = (0, 16, 48, 64)  # the same layout without the empty segments: the shards'
 DEPTHS = (2, 8)
 
 
@@ -710,9 +708,6 @@ def _counter_worker(rank, world, _):
                     run(f"dynamic/cp{size}/{mode}/L{L}", mode, size, groups.cp(size), stack, True)
                 dist.barrier()
     return records
-
-
-STACK_SEQ_LENS_CU = (0, 16, 48, 64)  # cumulative STACK_SEQ_LENS: the zigzag shards' layout
 
 
 def _sbhd_psp(group, size):
