@@ -157,7 +157,7 @@ def _probe_empty_segments(read) -> tuple[str, str]:
     text = read(GDN)
     if text is None or "cu_seqlens" not in text:
         return "not applicable", f"{GDN} passes no cu_seqlens to FLA at the base"
-    if "packed_cu_seqlens" in text or re.search(r"unique_consecutive|seqlens\w*\s*>\s*0|!= *0\]", text):
+    if "packed_cu_seqlens" in text or "packed_seq_metadata" in text or re.search(r"unique_consecutive|seqlens\w*\s*>\s*0|!= *0\]", text):
         return "already present", f"{GDN} filters zero-length segments of cu_seqlens"
     return "needed", (f"{GDN} hands cu_seqlens to FLA without dropping zero-length segments (no filter found); "
                       "FLA 0.4.2 misnumbers every chunk after an empty segment (check the base's FLA pin)")
