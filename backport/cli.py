@@ -186,7 +186,7 @@ def cli(upstream, bridge, mcore_base, recipe, megatron_lm, megatron_bridge, cach
     from . import interrupts
 
     step = interrupts.STEP  # the step an interrupt names (locks and output.write update it too)
-    step["now"] = "checking the inputs"
+    step["now"], step["done"] = "checking the inputs", None  # each run starts uncommitted
     cache = cache_dir or None
     try:
         refuse_unused_flags(click.get_current_context())

@@ -125,8 +125,8 @@ def check_fla_version(version: Optional[str] = None) -> str:
             "between releases). Install one of them: "
             "`pip install flash-linear-attention==0.4.2 fla-core==0.4.2 triton==3.6.0`, "
             "`pip install flash-linear-attention==0.5.2 fla-core==0.5.2 triton==3.7.1`, or "
-            "`pip install fla-core==0.6.0 triton==3.7.1` (without flash-linear-attention), the last "
-            "two with a torch that declares that triton (torch 2.12.1)."
+            "`pip install fla-core==0.6.0 triton==3.7.1` (without flash-linear-attention), "
+            "the last two with a torch that declares that triton (torch 2.12.1)."
         )
     return found
 
@@ -556,12 +556,14 @@ class PackedSeqMetadata:
                     and not torch.equal(tensor.detach().to(torch.long), host_q.to(torch.long))
                 )
                 if differs:
+                    values = (
+                        f", values {tensor.tolist()[:16]}" if tensor.device.type == "cpu" else ""
+                    )
                     raise LinearCPError(
                         f"cu_seqlens_cpu={host_q.tolist()[:16]} is not the host copy of "
-                        f"PackedSeqParams.{name} (shape {tuple(tensor.shape)}"
-                        + (f", values {tensor.tolist()[:16]}" if tensor.device.type == "cpu" else "")
-                        + "). Pass the host copy as it is after the last change to the micro-batch "
-                        "(q and kv alike), or leave cu_seqlens_cpu out (one device->host copy)."
+                        f"PackedSeqParams.{name} (shape {tuple(tensor.shape)}{values}). Pass the "
+                        "host copy as it is after the last change to the micro-batch (q and kv "
+                        "alike), or leave cu_seqlens_cpu out (one device->host copy)."
                     )
         elif cu_kv is cu_q:
             (host_q,) = _copy_cu_seqlens_to_host([cu_q])

@@ -398,3 +398,25 @@ def test_check_locks_third_lock_reuses_the_second_locks_dry_run(tmp_path, monkey
     assert runs[2] == ["fla-core"]
     assert [(r["fla"], r["packages"], r["shared"]) for r in results] == [("0.4.2", 4, 0), ("0.5.2", 5, 1),
                                                                          ("0.6.0", 4, 3)]
+
+
+def test_megatron_import_tells_a_missing_outside_package_from_a_broken_module(tmp_path, monkeypatch):
+    """The capability check's megatron-import: a patched module that needs a package this image
+    flavour leaves out (Bridge's Qwen3-VL and training modules need transformer_engine, absent in
+    the cpu image) is recorded, not failed; a module broken by the patch still fails the check."""
+    pkg = tmp_path / "megatron"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "good_mod.py").write_text("X = 1\n")
+    (pkg / "needs_te.py").write_text("import transformer_engine_absent_here  # noqa\n")
+    (pkg / "broken.py").write_text("from megatron.not_there import y  # noqa\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
+        monkeypatch.delitem(sys.modules, name)
+    got = cc.check_megatron_import(["megatron.good_mod", "megatron.needs_te"], tmp_path.resolve())
+    assert got == {"imported": ["megatron.good_mod"],
+                   "missing_dependency": {"megatron.needs_te": "transformer_engine_absent_here"}}
+    with pytest.raises(AssertionError, match="megatron.broken"):
+        cc.check_megatron_import(["megatron.good_mod", "megatron.broken"], tmp_path.resolve())
+    with pytest.raises(AssertionError, match="no patched module imports"):
+        cc.check_megatron_import(["megatron.needs_te"], tmp_path.resolve())
