@@ -199,9 +199,26 @@ def _damaged(name: str, cache: Path, location: str, what: str, offline: bool = F
     that repairs it (delete the entry; the next run clones it again), exit 3."""
     again = ("run the same command without --offline: it clones it again from " + location if offline else
              "run the same command again: the next run clones it again")
+    shared = _hardlinked_packs(cache)
+    if shared:  # git clone of a local mirror hard-links its packs: the same bytes are the mirror's
+        return CacheDamaged(
+            f"{name}: the cache {cache} cannot be read (damaged): {what}. Its pack files are hard links "
+            f"shared with another repository ({', '.join(shared[:2])} have {len(shared)} such), most likely the "
+            f"mirror {location}, whose copy is then damaged too.",
+            hint=f"Check the mirror first (`git -C {location} fsck`; fetch it again if it fails), then delete the "
+                 f"cache entry (`rm -rf {cache}`) and {again}.")
     return CacheDamaged(
         f"{name}: the cache {cache} cannot be read (damaged): {what}",
         hint=f"Delete the damaged cache entry (`rm -rf {cache}`; it is only a copy of {location}) and {again}.")
+
+
+def _hardlinked_packs(cache: Path) -> list:
+    """Names of the cache entry's pack files that have other hard links (st_nlink > 1)."""
+    try:
+        packs = sorted((Path(cache) / "objects" / "pack").glob("*.pack"))
+        return [p.name for p in packs if p.stat().st_nlink > 1]
+    except OSError:
+        return []
 
 
 def _hash_size(repo: git.Repo) -> int:

@@ -129,7 +129,11 @@ class VerifyTree:
                     [opts.python, "-W", "ignore", "-c", PROBE, *recipe.import_check], cwd=self.tree,
                     stdout=self._out, stderr=self._err, encoding="utf-8",
                     env={**os.environ, "PYTHONPATH": str(self.tree), "PYTHONDONTWRITEBYTECODE": "1",
-                         "CUDA_VISIBLE_DEVICES": ""})
+                         "CUDA_VISIBLE_DEVICES": "",
+                         # torch's own caches go into this check's folder, removed with it (torch
+                         # made $TMPDIR/torchinductor_<user> otherwise, left behind by every run)
+                         "TORCHINDUCTOR_CACHE_DIR": str(self._dir / "torchinductor"),
+                         "TRITON_CACHE_DIR": str(self._dir / "triton")})
 
     def import_result(self, timeout_s: float) -> "tuple[int, str, str]":
         """``(exit code, stdout, stderr)`` of the import check, waiting at most ``timeout_s`` seconds.

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ast
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -48,7 +47,9 @@ def _span(symbols: SymbolMap, qualname: str) -> Optional[tuple[int, int]]:
 
 def merge3(ours: str, base: str, theirs: str, favour_ours: bool = False) -> tuple[str, int]:
     """``git merge-file -p --diff3`` of three texts: (merged text, number of conflicts)."""
-    with tempfile.TemporaryDirectory(prefix="gdn-merge-") as tmp:
+    from .. import interrupts
+
+    with interrupts.temporary_folder("gdn-merge-") as tmp:  # removed on an interrupt too
         paths = []
         for name, text in (("new", ours), ("base", base), ("carried", theirs)):
             p = Path(tmp) / name

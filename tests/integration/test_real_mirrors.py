@@ -40,11 +40,36 @@ HAVE_FLA = importlib.util.find_spec("fla") is not None and importlib.util.find_s
 
 
 @pytest.fixture(scope="module")
-def build(real_cache):
-    opts = options.Options(recipe=RECIPE, megatron_lm=MLM, megatron_bridge=BRIDGE,
-                          cache_dir=real_cache, date="20261129",
-                          import_check=HAVE_FLA, python=sys.executable)
-    return engine.build(opts)
+def build_and_tmp(real_cache, tmp_path_factory):
+    """The build, run with a TMPDIR of its own (the tool's and the import check's temporary
+    folders go there), and that TMPDIR."""
+    import os
+    import tempfile
+
+    tmp = tmp_path_factory.mktemp("build-tmpdir")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = str(tmp), str(tmp)
+    try:
+        opts = options.Options(recipe=RECIPE, megatron_lm=MLM, megatron_bridge=BRIDGE,
+                              cache_dir=real_cache, date="20261129",
+                              import_check=HAVE_FLA, python=sys.executable)
+        return engine.build(opts), tmp
+    finally:
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+
+
+@pytest.fixture(scope="module")
+def build(build_and_tmp):
+    return build_and_tmp[0]
+
+
+def test_the_build_leaves_no_temporary_folder(build_and_tmp):
+    """Nothing is left in TMPDIR, the import check's torch caches (torchinductor_<user>) included."""
+    assert sorted(p.name for p in build_and_tmp[1].iterdir()) == []
 
 
 def test_pins_and_distance(build):

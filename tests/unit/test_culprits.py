@@ -8,6 +8,7 @@ asserts the exit code and the culprit named in the first ``error:`` line.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -468,3 +469,21 @@ def test_a_same_day_lock_change_names_the_input_that_changed(args, tmp_path, fak
     result = run(args + ["--no-trees"], 0)
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("lock: ")]
     assert ". The recipe changed since the lock was committed (same date)" in line, line
+
+
+def test_a_damaged_pack_shared_by_hard_link_names_the_mirror_not_only_the_copy(args, tmp_path):
+    """Hostile trial (issue 45): a cache cloned from a local mirror shares its packs by hard link;
+    damaged in place, it was "only a copy" (delete it), then the next clone said "the source is
+    damaged". The message says the pack is shared and sends the user to the mirror first."""
+    run(args + ["--no-trees"], 0)
+    entry = tmp_path / "cache" / "megatron-lm.git"
+    pack = _own_pack(entry)  # a pack of its own (the fixture's stay untouched), then shared:
+    os.link(pack, tmp_path / "mirror-copy.pack")  # as git clone of a local mirror leaves it
+    data = pack.read_bytes()
+    with open(pack, "r+b") as fh:  # damaged in place: every hard link sees it
+        fh.truncate(len(data) // 2)
+    result = run(args + ["--no-trees", "--offline"], 3)
+    error = first_error(result.stderr)
+    assert "hard links shared with another repository" in error, error
+    hint = result.stderr.splitlines()[result.stderr.splitlines().index(error) + 1]
+    assert hint.startswith("hint: Check the mirror first (`git -C ") and f"rm -rf {entry}" in hint, hint
