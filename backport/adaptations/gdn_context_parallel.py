@@ -601,7 +601,11 @@ class PackedSeqMetadata:
         self._fla_contexts: dict = {}
         self._built = False
         if self.size > 1:
-            _route_cu_seqlens(self.cu_seqlens_cpu, self.size)
+            _check_zigzag_lengths(
+                "The THD zigzag <-> contiguous layout",
+                torch.diff(self.cu_seqlens_cpu.to(torch.long)).tolist(),
+                self.size,
+            )
             for mode in linear_cp_modes:
                 if mode == "chunkwise":
                     self.layout_route()
@@ -650,9 +654,7 @@ class PackedSeqMetadata:
         gathered shards -> natural order, and natural order -> this rank's zigzag shard."""
         if self._gather_index is None:
             cu = self.cu_seqlens_cpu.to(torch.long)
-            order = torch.cat([_zigzag_tokens(cu, self.size, r) for r in range(self.size)])
-            natural_index = torch.empty_like(order)
-            natural_index[order] = torch.arange(order.numel())
+            natural_index = _natural_index(cu, self.size)
             local = _zigzag_tokens(cu, self.size, self.group.rank())
             device = self.cu_seqlens.device
             self._gather_index = (
@@ -925,6 +927,15 @@ def _zigzag_tokens(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torc
     return torch.repeat_interleave(run_starts - run_offsets, run_lens) + torch.arange(tokens)
 
 
+def _natural_index(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
+    # Host index that puts the all-gathered zigzag shards (rank 0's, then rank 1's, ...) back
+    # into natural token order.
+    order = torch.cat([_zigzag_tokens(cu_seqlens, cp_size, r) for r in range(cp_size)])
+    natural_index = torch.empty_like(order)
+    natural_index[order] = torch.arange(order.numel())
+    return natural_index
+
+
 def _route_cu_seqlens(
     cu_seqlens: torch.Tensor, cp_size: int, total_tokens: Optional[int] = None
 ) -> torch.Tensor:
@@ -1084,10 +1095,7 @@ def gather_zigzag_sequence(
     if natural_index is None:
         cp_size = group.size()
         cu = _zigzag_cu_seqlens(cu_seqlens, x.shape[seq_dim] * cp_size, cp_size)
-        order = torch.cat([_zigzag_tokens(cu, cp_size, r) for r in range(cp_size)])
-        natural_index = torch.empty_like(order)
-        natural_index[order] = torch.arange(order.numel())
-        natural_index = host_to_device(natural_index, x.device)
+        natural_index = host_to_device(_natural_index(cu, cp_size), x.device)
     return _GatherZigzag.apply(x, group, seq_dim, natural_index)
 
 

@@ -292,6 +292,19 @@ def make_options(tmp_path, fake_repos):
     return make
 
 
+@pytest.fixture
+def written(tmp_path, recipe, carry_patch, make_options):
+    """A fake build with a carry, written to tmp_path/out (patch + manifest under patches/latest):
+    ``(out folder, the build)``."""
+    from backport import output
+    from backport.engine import build
+
+    b = build(make_options(recipe, carry=carry_patch))
+    out = tmp_path / "out"
+    output.write(b, out, trees=False)
+    return out, b
+
+
 @pytest.fixture(autouse=True)
 def _tool_cache_in_tmp(monkeypatch, tmp_path_factory):
     """Locks and caches the tool keeps in ``$GDN_BACKPORT_CACHE`` (e.g. the Docker Engine lock of

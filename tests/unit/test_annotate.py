@@ -7,21 +7,10 @@ import subprocess
 
 import pytest
 
-from backport import output
 from backport.annotate import annotate, load, select
 from backport.cli import main
-from backport.engine import build
 
 pytestmark = pytest.mark.usefixtures("engine_env")
-
-
-@pytest.fixture
-def written(tmp_path, recipe, carry_patch, make_options):
-    """A fake build with a carry, written to tmp_path/out (patch + manifest under patches/latest)."""
-    b = build(make_options(recipe, carry=carry_patch))
-    out = tmp_path / "out"
-    output.write(b, out, trees=False)
-    return out, b
 
 
 def _run(capsys, *args):

@@ -265,6 +265,22 @@ def test_held_pins_keep_the_default_versions_except_the_axis_torch_and_what_torc
     assert held == ["accelerate==1.15.0", "nvidia-cutlass-dsl-libs-cu13==4.8.1", "sympy==1.14.0"]
 
 
+def _record_dry_runs(monkeypatch) -> list:
+    """Replace the lock's pip dry run by one that installs the lock's entries as they are; returns
+    the list that gets each run's sorted package names."""
+    from image_pipeline import lock as L
+
+    runs = []
+
+    def fake_dry_run(path, target, python):
+        entries = parse_lock(path.read_text())
+        runs.append(sorted(entries))
+        return {"install": [_fake_item(e) for e in entries.values()]}
+
+    monkeypatch.setattr(L, "_dry_run", fake_dry_run)
+    return runs
+
+
 def _fake_item(entry):
     return {"metadata": {"name": entry.name, "version": entry.version, "requires_dist": []}}
 
@@ -281,14 +297,7 @@ def test_check_locks_dry_runs_only_the_pins_the_second_lock_does_not_share(tmp_p
     first, second = tmp_path / "requirements-cuda.lock", tmp_path / "requirements-cuda-fla052.lock"
     first.write_text(render_lock(default, TARGETS["cuda"]))
     second.write_text(render_lock(fla052, target_for("cuda", "0.5.2")))
-    runs = []
-
-    def fake_dry_run(path, target, python):
-        entries = parse_lock(path.read_text())
-        runs.append(sorted(entries))
-        return {"install": [_fake_item(e) for e in entries.values()]}
-
-    monkeypatch.setattr(L, "_dry_run", fake_dry_run)
+    runs = _record_dry_runs(monkeypatch)
     results = L.check_locks([(first, TARGETS["cuda"]), (second, target_for("cuda", "0.5.2"))])
     assert runs[0] == ["einops", "fla-core", "flash-linear-attention", "numpy", "triton"]
     assert runs[1] == ["fla-core", "flash-linear-attention", "numpy", "triton"]  # einops from the first report
@@ -385,14 +394,7 @@ def test_check_locks_third_lock_reuses_the_second_locks_dry_run(tmp_path, monkey
     targets = [TARGETS["cuda"], target_for("cuda", "0.5.2"), target_for("cuda", "0.6.0")]
     for path, entries, target in zip(paths, (default, fla052, fla060), targets):
         path.write_text(render_lock(entries, target))
-    runs = []
-
-    def fake_dry_run(path, target, python):
-        entries = parse_lock(path.read_text())
-        runs.append(sorted(entries))
-        return {"install": [_fake_item(e) for e in entries.values()]}
-
-    monkeypatch.setattr(L, "_dry_run", fake_dry_run)
+    runs = _record_dry_runs(monkeypatch)
     results = L.check_locks(list(zip(paths, targets)))
     assert runs[1] == ["fla-core", "flash-linear-attention", "torch", "triton"]
     assert runs[2] == ["fla-core"]

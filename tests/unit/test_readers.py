@@ -16,18 +16,9 @@ from click.testing import CliRunner
 
 from backport import output
 from backport.cli import cli, main
-from backport.engine import build
 
 pytestmark = pytest.mark.usefixtures("engine_env")
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def written(tmp_path, recipe, carry_patch, make_options):
-    b = build(make_options(recipe, carry=carry_patch))
-    out = tmp_path / "out"
-    output.write(b, out, trees=False)
-    return out, b
 
 
 def _run(capsys, *args):
